@@ -1,0 +1,125 @@
+"""Frozen, keyword-only configuration dataclasses.
+
+They are hashable, so they can be `static_argnames` of `jax.jit`; every one validates itself in
+`__post_init__` so a bad value fails where it is written, with the fix in the message.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+SUPPORTED_ARCHS = ("llama", "qwen3")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Llama-3 `rope_scaling` (rope_type="llama3"): long wavelengths are slowed by `factor`,
+    short ones kept, and the band in between interpolated smoothly."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape and numerics of a decoder-only Llama-3.x / Qwen3 model."""
+
+    arch: str = "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_embeddings: bool = False
+    max_position_embeddings: int = 8192
+    dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    attention_backend: str = "auto"  # "auto" | "jnp" | "pallas"
+
+    def __post_init__(self):
+        if self.arch not in SUPPORTED_ARCHS:
+            raise ValueError(
+                f"unknown model arch {self.arch!r}: supported are {', '.join(SUPPORTED_ARCHS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported: use one of {DTYPES}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads="
+                f"{self.num_kv_heads}: grouped-query attention needs whole groups")
+        if self.attention_backend not in ("auto", "jnp", "pallas"):
+            raise ValueError(
+                f"attention_backend={self.attention_backend!r}: use 'auto', 'jnp' or 'pallas'")
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3 normalises each head's q and k (RMSNorm over head_dim) before RoPE."""
+        return self.arch == "qwen3"
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        d = dict(d)
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        return cls(**d)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """Per-request sampling settings (the vLLM-style surface users know).
+
+    temperature=0 is greedy. top_k=0 and top_p=1 disable those filters. `seed` makes a request's
+    sampled tokens reproducible regardless of which other requests share its batch.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not self.temperature >= 0.0:
+            raise ValueError(
+                f"temperature={self.temperature} is invalid: use 0 for greedy or a value > 0")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} is invalid: use 0 (off) or a positive count")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} is invalid: it must lie in (0, 1]; 1 turns it off")
+        if self.max_new_tokens < 1:
+            raise ValueError(
+                f"max_new_tokens={self.max_new_tokens} is invalid: ask for at least 1 token")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Static shapes of the decode engine. Shapes are bucketed so that a run compiles once."""
+
+    max_batch: int = 8
+    max_seq_len: int = 1024
+    prefill_bucket: int = 64  # prompt lengths are padded up to a multiple of this
+    sync_every: int = 8  # decode steps dispatched before the host reads tokens (EOS check)
+
+    def __post_init__(self):
+        for name in ("max_batch", "max_seq_len", "prefill_bucket", "sync_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid: it must be >= 1")

@@ -1,0 +1,93 @@
+"""GGUF files: metadata -> ModelConfig + tokenizer, tensors dequantised with the `gguf` package."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+from ssd_jax.config import ModelConfig
+
+_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def hf_name(gguf_name: str) -> str:
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if gguf_name == "output_norm.weight":
+        return "model.norm.weight"
+    if gguf_name == "output.weight":
+        return "lm_head.weight"
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
+    if not m or m.group(2) not in _NAMES:
+        raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a Llama/Qwen3 decoder")
+    return f"model.layers.{m.group(1)}.{_NAMES[m.group(2)]}.weight"
+
+
+def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter reorders each head's q/k rows from HF's rotate-half layout to
+    interleaved pairs; without undoing it the model runs but is silently wrong."""
+    out_dim = w.shape[0]
+    return (w.reshape(num_heads, out_dim // num_heads // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def read_metadata(reader) -> dict:
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception:  # exotic field types we do not need
+            continue
+    return meta
+
+
+def config_from_gguf(meta: dict, tensor_names: set[str], *, dtype: str = "float32") -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in ("llama", "qwen3"):
+        raise ValueError(f"GGUF architecture {arch!r} is not supported: supported are llama, qwen3")
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError("this GGUF stores Llama-3.1 rope frequency factors (rope_freqs), which "
+                         "are not supported yet: load the HF safetensors directory instead")
+    g = lambda k, d=None: meta.get(f"{arch}.{k}", d)  # noqa: E731
+    hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    vocab = g("vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    return ModelConfig(
+        arch=arch, vocab_size=int(vocab), hidden_size=hidden,
+        intermediate_size=int(g("feed_forward_length")), num_layers=int(g("block_count")),
+        num_heads=heads, num_kv_heads=int(g("attention.head_count_kv", heads)),
+        head_dim=int(g("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(g("rope.freq_base", 10000.0)),
+        tie_embeddings="output.weight" not in tensor_names,
+        max_position_embeddings=int(g("context_length", 8192)), dtype=dtype,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),))
+
+
+def open_gguf(path: Path):
+    import gguf
+    if not path.exists():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    return gguf.GGUFReader(str(path))
+
+
+def iter_gguf_weights(reader, config: ModelConfig):
+    """(HF name, float32 array) pairs, dequantised, with llama's q/k permutation undone."""
+    import gguf
+    for t in reader.tensors:
+        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        name = hf_name(t.name)
+        if config.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
+            w = unpermute_qk(w, heads)
+        yield name, w

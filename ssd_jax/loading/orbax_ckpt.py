@@ -1,0 +1,58 @@
+"""orbax checkpoints of our models: params (orbax) + ModelConfig (JSON) + tokenizer."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from ssd_jax.config import ModelConfig
+from ssd_jax.loading.tokenizer import Tokenizer
+from ssd_jax.loading.weights import abstract_model
+from ssd_jax.models.transformer import Transformer
+
+CONFIG_FILE = "ssd_jax_config.json"
+
+
+def is_orbax_dir(path: Path) -> bool:
+    return (path / CONFIG_FILE).exists()
+
+
+def save(model: Transformer, tokenizer: Tokenizer | None, directory: str | Path,
+         *, extra: dict | None = None) -> Path:
+    """Write params to DIR/params with orbax, the config to DIR/ssd_jax_config.json.
+    `extra` (e.g. a draft's vocabulary map) is saved as JSON beside them."""
+    directory = Path(directory).absolute()
+    directory.mkdir(parents=True, exist_ok=True)
+    state = nnx.state(model, nnx.Param).to_pure_dict()
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(directory / "params", state, force=True)
+    (directory / CONFIG_FILE).write_text(json.dumps(
+        {"model": model.config.to_dict(), "extra": extra or {}}, indent=1))
+    if tokenizer is not None:
+        tokenizer.save(directory)
+    return directory
+
+
+def load(directory: str | Path, *, dtype: str | None = None) -> tuple[Transformer, Tokenizer | None, dict]:
+    directory = Path(directory).absolute()
+    if not is_orbax_dir(directory):
+        raise FileNotFoundError(f"{directory} is not an ssd_jax orbax checkpoint (no {CONFIG_FILE}):"
+                                " create one with `python -m ssd_jax.convert SRC DST`")
+    meta = json.loads((directory / CONFIG_FILE).read_text())
+    config = ModelConfig.from_dict(meta["model"])
+    saved_dtype = config.dtype
+    model = abstract_model(config)
+    abstract = nnx.state(model, nnx.Param)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract.to_pure_dict())
+    with ocp.StandardCheckpointer() as ckpt:
+        restored = ckpt.restore(directory / "params", target)
+    abstract.replace_by_pure_dict(restored)
+    nnx.update(model, abstract)
+    if dtype is not None and dtype != saved_dtype:
+        from ssd_jax.loading.weights import build_model, named_weights
+        model = build_model(config.replace(dtype=dtype), named_weights(model))
+    tokenizer = Tokenizer.load(directory) if (directory / "tokenizer.json").exists() else None
+    return model, tokenizer, meta.get("extra", {})

@@ -1,0 +1,80 @@
+"""Put named weights (Hugging Face naming) into an NNX `Transformer` without a random init."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ssd_jax.config import ModelConfig
+from ssd_jax.models.transformer import Transformer
+
+# HF stores Linear weights [out, in]; nnx.Linear keeps its kernel [in, out].
+_LINEAR_SUFFIXES = ("_proj.weight", "lm_head.weight")
+
+
+def abstract_model(config: ModelConfig) -> Transformer:
+    """The model with ShapeDtypeStructs in place of arrays: costs no memory and no init time."""
+    return nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+
+
+def _param_for(model: Transformer, hf_name: str) -> tuple[nnx.Param, bool]:
+    name = hf_name.removeprefix("model.")
+    *path, leaf = name.split(".")
+    node = model
+    for part in path:
+        node = node[int(part)] if part.isdigit() else getattr(node, part)
+        if node is None:
+            raise KeyError(hf_name)
+    if isinstance(node, nnx.Embed):
+        return node.embedding, False
+    if isinstance(node, nnx.Linear):
+        return node.kernel, True
+    return getattr(node, leaf), False
+
+
+def build_model(config: ModelConfig, weights: Iterable[tuple[str, np.ndarray]],
+                *, progress=None) -> Transformer:
+    """Fill an abstract model from (HF name, array) pairs; every parameter must be provided."""
+    model = abstract_model(config)
+    dtype = jnp.dtype(config.dtype)
+    for name, array in weights:
+        if config.tie_embeddings and name == "lm_head.weight":
+            continue  # some exporters save the tied head too; it equals the embedding
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        try:
+            param, transpose = _param_for(model, name)
+        except (KeyError, AttributeError, IndexError):
+            raise ValueError(f"checkpoint tensor {name!r} has no place in a {config.arch} model "
+                             f"with {config.num_layers} layers: is config.json the right one?")
+        array = np.asarray(array).T if transpose else np.asarray(array)
+        if tuple(array.shape) != tuple(param.value.shape):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {array.shape}, the model "
+                             f"expects {tuple(param.value.shape)}: config and weights disagree")
+        param.value = jnp.asarray(array, dtype=dtype)
+        if progress is not None:
+            progress(name)
+    missing = [".".join(map(str, path)) for path, leaf in nnx.to_flat_state(nnx.state(model))
+               if isinstance(leaf.value, jax.ShapeDtypeStruct)]
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}: "
+                         "is it complete (all shards present)?")
+    return model
+
+
+def named_weights(model: Transformer):
+    """The inverse of build_model: (HF name, numpy array) pairs, for export to HF directories."""
+    for path, leaf in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        parts = [str(p) for p in path]
+        kind = parts[-1]
+        stem = ".".join(parts[:-1])
+        value = np.asarray(leaf.value)
+        if kind == "embedding":
+            yield "model.embed_tokens.weight", value
+        elif kind == "kernel":
+            yield ("lm_head.weight" if stem == "lm_head" else f"model.{stem}.weight"), value.T
+        else:
+            yield f"model.{stem}.weight", value

@@ -1,0 +1,36 @@
+"""Counters and timers every decode mode reports (prefill is timed apart from decode)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RunMetrics:
+    mode: str
+    batch: int
+    ttft_s: float = 0.0  # prompt in -> first token on the host
+    decode_s: float = 0.0  # after the first token, until the last one is on the host
+    decode_steps: int = 0  # target forwards after prefill (AR: one per token; SD/SSD: rounds)
+    new_tokens: int = 0  # tokens kept, all rows, first token included
+    accept_hist: list[int] = field(default_factory=list)  # SD/SSD: rounds with k accepted
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens produced by the decode phase (the first token belongs to prefill)."""
+        return max(self.new_tokens - self.batch, 0)
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def tpot_ms(self) -> float:
+        """Time per output token of one row (decode only)."""
+        per_row = self.decode_tokens / max(self.batch, 1)
+        return 1e3 * self.decode_s / per_row if per_row else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(decode_tokens=self.decode_tokens, decode_tok_s=self.decode_tok_s,
+                 tpot_ms=self.tpot_ms)
+        return d

@@ -1,0 +1,65 @@
+"""The one attention primitive every forward goes through (jnp reference and CPU path).
+
+    attend(q[B,T,Hq,D], cache_k/v[B,S,Hkv,D], prefix_len[B], new_k/v[B,U,Hkv,D], mask[B,T,U])
+
+Queries attend to the committed prefix of the KV cache (slots < prefix_len[b]; later slots may
+hold stale K/V from rejected speculation and are ignored) plus U new tokens under an arbitrary
+mask (causal chain for prefill / AR / SD verification, a tree mask for SSD tree decoding).
+The two parts are computed as separate softmax blocks and merged by their log-sum-exp, so the
+cache is only read here: writing it happens in a separate donated `commit` (on XLA:CPU an update
+and a read of the cache in one jit costs a full cache copy per layer).
+
+The Pallas kernel in `pallas_kernels/tree_attention.py` implements exactly this signature and is
+tested against this function.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+# A finite "minus infinity": a query row whose keys are all masked (a padding row) then yields a
+# harmless average instead of NaN, and NaNs never leak into real rows through later layers.
+MASK_VALUE = -1e30
+
+
+def attend(
+    q: Float[Array, "B T Hq D"],
+    cache_k: Float[Array, "B S Hkv D"],
+    cache_v: Float[Array, "B S Hkv D"],
+    prefix_len: Int[Array, " B"],
+    new_k: Float[Array, "B U Hkv D"],
+    new_v: Float[Array, "B U Hkv D"],
+    mask: Bool[Array, "B T U"],
+    *,
+    scale: float | None = None,
+) -> Float[Array, "B T Hq D"]:
+    B, T, Hq, D = q.shape
+    S, Hkv = cache_k.shape[1], cache_k.shape[2]
+    G = Hq // Hkv
+    scale = D ** -0.5 if scale is None else scale
+    qg = (q.astype(jnp.float32) * scale).reshape(B, T, Hkv, G, D)
+
+    # Prefix block: only a per-row length mask.
+    s_pre = jnp.einsum("bthgd,bshd->bhgts", qg, cache_k.astype(jnp.float32))
+    valid = jnp.arange(S)[None, :] < prefix_len[:, None]  # [B, S]
+    s_pre = jnp.where(valid[:, None, None, None, :], s_pre, MASK_VALUE)
+
+    # New-token block: the caller's mask (chain or tree).
+    s_new = jnp.einsum("bthgd,buhd->bhgtu", qg, new_k.astype(jnp.float32))
+    s_new = jnp.where(mask[:, None, None, :, :], s_new, MASK_VALUE)
+
+    m = jnp.maximum(s_pre.max(-1, keepdims=True), s_new.max(-1, keepdims=True))
+    p_pre = jnp.exp(s_pre - m)
+    p_new = jnp.exp(s_new - m)
+    denom = p_pre.sum(-1) + p_new.sum(-1)  # [B, Hkv, G, T]
+    out = (jnp.einsum("bhgts,bshd->bthgd", p_pre, cache_v.astype(jnp.float32))
+           + jnp.einsum("bhgtu,buhd->bthgd", p_new, new_v.astype(jnp.float32)))
+    out = out / jnp.moveaxis(denom, 3, 1)[..., None]  # denom -> [B, T, Hkv, G, 1]
+    return out.reshape(B, T, Hq, D).astype(q.dtype)
+
+
+def causal_mask(batch: int, num_tokens: int) -> Bool[Array, "B T T"]:
+    """Chain mask for prefill, AR steps and SD verification: token t sees new tokens 0..t."""
+    m = jnp.tril(jnp.ones((num_tokens, num_tokens), dtype=bool))
+    return jnp.broadcast_to(m, (batch, num_tokens, num_tokens))
