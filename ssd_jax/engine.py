@@ -61,10 +61,10 @@ class LLM:
     def _encode(self, prompt: Prompt, chat: bool) -> list[int]:
         if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
                                        and isinstance(prompt[0], dict)):
-            if self.tokenizer is None:
-                raise ValueError("this LLM has no tokenizer: pass prompts as token-id lists")
             if isinstance(prompt, str) and not prompt:
                 raise ValueError("prompt is empty: give at least one character or token")
+            if self.tokenizer is None:
+                raise ValueError("this LLM has no tokenizer: pass prompts as token-id lists")
             if chat:
                 messages = prompt if isinstance(prompt, list) else [
                     {"role": "user", "content": prompt}]
@@ -102,7 +102,11 @@ class LLM:
 
     # ---------------------------------------------------------------- decode loop
     def _batch_arrays(self, ids, params):
-        B = _round_up(len(ids), 1)
+        # Pad the batch to a power of two with copies of row 0 that stop after one token, so
+        # batches of 3 and 4 share one compiled program.
+        B = 1 << (len(ids) - 1).bit_length()
+        ids = list(ids) + [ids[0]] * (B - len(ids))
+        params = list(params) + [SamplingParams(max_new_tokens=1)] * (B - len(params))
         T = _round_up(max(len(t) for t in ids), self.engine.prefill_bucket)
         tokens = np.zeros((B, T), np.int32)
         for i, t in enumerate(ids):
@@ -128,14 +132,14 @@ class LLM:
         tokens, prompt_len, sampling, stop_ids, max_new = self._batch_arrays(ids, params)
         seq_len = _round_up(max(need, tokens.shape[1]) + 1, 256)
         metrics = RunMetrics(mode="ar", batch=len(ids))
-        cache = self.runner.new_cache(len(ids), seq_len)
+        cache = self.runner.new_cache(tokens.shape[0], seq_len)
         t0 = time.perf_counter()
         state, cache = self.runner.prefill(jnp.asarray(tokens), jnp.asarray(prompt_len), cache,
                                            sampling, jnp.asarray(stop_ids), jnp.asarray(max_new))
         first = np.asarray(state.tokens)  # TTFT includes the first token's transfer
         metrics.ttft_s = time.perf_counter() - t0
-        yield first[:, None], np.asarray(state.done), metrics
-        steps = int(max_new.max()) - 1
+        yield first[:len(ids), None], np.asarray(state.done)[:len(ids)], metrics
+        steps = int(max_new[:len(ids)].max()) - 1
         stop_ids, max_new = jnp.asarray(stop_ids), jnp.asarray(max_new)
         t1 = time.perf_counter()
         done_step = 0
@@ -146,8 +150,8 @@ class LLM:
                 state, cache = self.runner.decode(state, cache, sampling, stop_ids, max_new)
                 chunk.append((state.tokens, state.done))
             done_step += len(chunk)
-            toks = np.stack([np.asarray(t) for t, _ in chunk], axis=1)
-            done = np.asarray(chunk[-1][1])
+            toks = np.stack([np.asarray(t)[:len(ids)] for t, _ in chunk], axis=1)
+            done = np.asarray(chunk[-1][1])[:len(ids)]
             metrics.decode_steps += len(chunk)
             metrics.decode_s = time.perf_counter() - t1
             yield toks, done, metrics

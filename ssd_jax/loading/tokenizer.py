@@ -103,11 +103,12 @@ def from_gguf_metadata(meta: dict) -> Tokenizer:
                      special=special)
 
 
-def from_hf_dir(directory: Path, eos_token_ids: tuple[int, ...]) -> Tokenizer:
+def from_hf_dir(directory: Path, eos_token_ids: tuple[int, ...]) -> Tokenizer | None:
+    """None when the directory has no tokenizer.json (weights-only exports); such a model
+    still generates from token-id prompts."""
     path = directory / "tokenizer.json"
     if not path.exists():
-        raise FileNotFoundError(f"{directory} has no tokenizer.json: save the tokenizer with the "
-                                "model (tokenizer.save_pretrained(dir))")
+        return None
     backend = HFTokenizer.from_file(str(path))
     cfg_path = directory / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}

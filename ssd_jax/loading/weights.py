@@ -51,14 +51,14 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, np.ndarray]],
             raise ValueError(f"checkpoint tensor {name!r} has no place in a {config.arch} model "
                              f"with {config.num_layers} layers: is config.json the right one?")
         array = np.asarray(array).T if transpose else np.asarray(array)
-        if tuple(array.shape) != tuple(param.value.shape):
+        if tuple(array.shape) != tuple(param.get_value().shape):
             raise ValueError(f"checkpoint tensor {name!r} has shape {array.shape}, the model "
-                             f"expects {tuple(param.value.shape)}: config and weights disagree")
-        param.value = jnp.asarray(array, dtype=dtype)
+                             f"expects {tuple(param.get_value().shape)}: config and weights disagree")
+        param.set_value(jnp.asarray(array, dtype=dtype))
         if progress is not None:
             progress(name)
     missing = [".".join(map(str, path)) for path, leaf in nnx.to_flat_state(nnx.state(model))
-               if isinstance(leaf.value, jax.ShapeDtypeStruct)]
+               if isinstance(leaf.get_value(), jax.ShapeDtypeStruct)]
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}: "
                          "is it complete (all shards present)?")
@@ -71,7 +71,7 @@ def named_weights(model: Transformer):
         parts = [str(p) for p in path]
         kind = parts[-1]
         stem = ".".join(parts[:-1])
-        value = np.asarray(leaf.value)
+        value = np.asarray(leaf.get_value())
         if kind == "embedding":
             yield "model.embed_tokens.weight", value
         elif kind == "kernel":

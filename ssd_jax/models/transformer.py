@@ -66,7 +66,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (xf * self.weight.value.astype(jnp.float32)).astype(x.dtype)
+        return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
 def _linear(din: int, dout: int, dtype, rngs: nnx.Rngs) -> nnx.Linear:

@@ -1,0 +1,140 @@
+"""Token distributions and sampling: temperature / top-k / top-p, Gumbel-max, Saguaro rescaling.
+
+`process_probs` is *the* definition of a row's distribution. The AR engine samples from it, the
+draft samples speculated tokens from it (optionally Saguaro-rescaled), and verification compares
+the target's and the draft's versions of it. Speculative decoding is lossless with respect to
+whatever distribution both sides agree on, so every logit processing step lives here, once.
+
+Everything is pure and jittable; per-row settings are arrays of shape [B] so one compiled program
+serves a batch with mixed temperatures. Randomness comes from one typed PRNG key per row
+(`jax.random.key` / `split` / `fold_in`), so a row's result never depends on its batch neighbours.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, Key
+
+# top-p keeps the smallest set of tokens whose mass reaches top_p. Mass is summed in fp32, so a set
+# whose exact mass equals top_p can come out a few ulps short; this slack makes that edge resolve
+# as in exact arithmetic. The cost is at most 1e-6 of probability mass moved at the boundary.
+TOP_P_SLACK = 1e-6
+
+
+def _per_row(x: Array, ndim: int) -> Array:
+    """[B] -> [B, 1, ..., 1] so per-row settings broadcast over middle axes and the vocab."""
+    x = jnp.asarray(x)
+    return x.reshape(x.shape + (1,) * (ndim - x.ndim))
+
+
+def _ranked_at_or_above(p: Float[Array, "*S V"], cut_idx: Int[Array, "*S 1"]) -> Array:
+    """Mask of the tokens ranked at or above token `cut_idx` in the order (prob desc, index asc).
+
+    Cheaper than scattering a sorted mask back (a second sort on XLA): one gather, then
+    elementwise comparisons.
+    """
+    cut_p = jnp.take_along_axis(p, cut_idx, axis=-1)
+    idx = jnp.arange(p.shape[-1])
+    return (p > cut_p) | ((p == cut_p) & (idx <= cut_idx))
+
+
+def _truncate(p: Float[Array, "*S V"], top_k: Int[Array, "*S"],
+              top_p: Float[Array, "*S"]) -> Float[Array, "*S V"]:
+    V = p.shape[-1]
+    # Stable sort on -p ranks ties by lowest index first, the same convention as jnp.argmax, so
+    # top_k=1 and greedy agree.
+    order = jnp.argsort(-p, axis=-1, stable=True)
+    sorted_p = jnp.take_along_axis(p, order, axis=-1)
+    k = jnp.where((top_k <= 0) | (top_k > V), V, top_k)
+    rank = jnp.arange(V)
+    sorted_p = jnp.where(rank < k[..., None], sorted_p, 0.0)
+    # top-p acts on the top-k distribution renormalised (the usual k-then-p order). Rank r is
+    # kept iff the mass strictly above it is still short of top_p: that is the smallest prefix
+    # reaching top_p, and rank 0 (mass above = 0) is always kept.
+    sorted_p = sorted_p / sorted_p.sum(-1, keepdims=True)
+    above = jnp.cumsum(sorted_p, axis=-1) - sorted_p
+    keep_sorted = (sorted_p > 0) & ((above < top_p[..., None] - TOP_P_SLACK)
+                                    | (top_p[..., None] >= 1.0) | (rank == 0))
+    n = keep_sorted.sum(-1, keepdims=True)  # kept ranks form a prefix 0..n-1
+    keep = _ranked_at_or_above(p, jnp.take_along_axis(order, n - 1, axis=-1))
+    return jnp.where(keep, p, 0.0)
+
+
+def process_probs(
+    logits: Float[Array, "B *S V"],
+    temperature: Float[Array, " B"],
+    top_k: Int[Array, " B"],
+    top_p: Float[Array, " B"],
+) -> Float[Array, "B *S V"]:
+    """softmax(logits / T), then top-k (0 = off), then top-p (1.0 = off), renormalised, fp32.
+
+    Rows with T == 0 get a one-hot at argmax (ties -> lowest index). Per-row settings apply to
+    every middle position (e.g. all K+1 verified positions of a row). Ties at the top-k / top-p
+    boundary keep the lowest token ids, so exactly top_k tokens survive.
+    """
+    logits = logits.astype(jnp.float32)
+    nd = logits.ndim
+    temperature = jnp.asarray(temperature, jnp.float32)
+    greedy = _per_row(temperature == 0, nd)
+    safe_t = jnp.where(temperature > 0, temperature, 1.0)
+    p = jax.nn.softmax(logits / _per_row(safe_t, nd), axis=-1)
+
+    top_k = jnp.broadcast_to(_per_row(jnp.asarray(top_k, jnp.int32), nd - 1), logits.shape[:-1])
+    top_p = jnp.broadcast_to(_per_row(jnp.asarray(top_p, jnp.float32), nd - 1), logits.shape[:-1])
+    # The sort is the expensive part (V log V per position, and V is ~50k-150k); skip it when no
+    # row truncates, the common case.
+    any_truncation = jnp.any(((top_k > 0) & (top_k < p.shape[-1])) | (top_p < 1.0))
+    p = jax.lax.cond(any_truncation, _truncate, lambda p, *_: p, p, top_k, top_p)
+    p = p / p.sum(-1, keepdims=True)
+
+    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    return jnp.where(greedy, one_hot, p)
+
+
+def sample(probs: Float[Array, "B V"], keys: Key[Array, " B"]) -> Int[Array, " B"]:
+    """One token per row by Gumbel-max: argmax(log p + Gumbel) is an exact sample of p.
+
+    `probs` need not be normalised (the argmax is invariant to scaling), which lets verification
+    pass the residual max(0, p - q) as is. Zero-probability tokens score -inf and can never win.
+    """
+    g = jax.vmap(lambda k: jax.random.gumbel(k, probs.shape[-1:], jnp.float32))(keys)
+    logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
+    return jnp.argmax(logp + g, axis=-1).astype(jnp.int32)
+
+
+def next_token(
+    logits: Float[Array, "B V"],
+    temperature: Float[Array, " B"],
+    top_k: Int[Array, " B"],
+    top_p: Float[Array, " B"],
+    keys: Key[Array, " B"],
+) -> Int[Array, " B"]:
+    """The AR step: greedy rows take argmax of the logits, other rows sample from process_probs."""
+    sampled = sample(process_probs(logits, temperature, top_k, top_p), keys)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jnp.where(jnp.asarray(temperature) == 0, greedy, sampled)
+
+
+def saguaro_rescale(
+    q: Float[Array, "*S V"],
+    num_top: int,
+    c: float | Float[Array, " B"],
+) -> Float[Array, "*S V"]:
+    """Saguaro sampling: scale the top-`num_top` probabilities of q by C in (0, 1], renormalise.
+
+    Lower C moves draft mass off the tokens the speculation cache forks on, so after a rejection
+    the residual max(0, p - q') concentrates on them (higher hit rate). Lossless as long as the
+    verifier is given this q' - the distribution the speculated token was actually drawn from.
+    A per-row C has shape [B] and q's leading axis is B. C = 1 is the identity.
+    """
+    q = q.astype(jnp.float32)
+    V = q.shape[-1]
+    num_top = min(int(num_top), V)
+    if num_top <= 0:
+        return q
+    _, top_idx = jax.lax.top_k(q, num_top)  # ties -> lowest index first, like argmax
+    is_top = _ranked_at_or_above(q, top_idx[..., -1:])
+    c = jnp.asarray(c, jnp.float32)
+    c = c if c.ndim == 0 else _per_row(c, q.ndim)
+    q = jnp.where(is_top, q * c, q)
+    return q / q.sum(-1, keepdims=True)

@@ -1,0 +1,65 @@
+"""Shared fixtures: tiny random HF models made offline with transformers, and the SmolLM2 pair."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+TINY_LLAMA = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    bos_token_id=1, eos_token_id=2)
+
+TINY_QWEN3 = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+    rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, bos_token_id=1,
+    eos_token_id=2)
+
+
+def make_hf_model(path, arch: str, seed: int = 0, **overrides):
+    """Save a random tiny HF model (safetensors) to `path`; returns the torch model."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**{**TINY_LLAMA, **overrides})
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen3Config(**{**TINY_QWEN3, **overrides})
+        model = transformers.Qwen3ForCausalLM(cfg)
+    # Random init gives near-uniform logits; widen the weights so argmax decisions are crisp
+    # and parity at 1e-4 is a meaningful check.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    model.eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama")
+    return path, make_hf_model(path, "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen3")
+    return path, make_hf_model(path, "qwen3")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded default target, loaded once per test session."""
+    from ssd_jax import LLM
+    return LLM("smollm2")

@@ -1,0 +1,116 @@
+"""The AR engine: batching, stop handling, seeds, streaming, and bad input."""
+import numpy as np
+import pytest
+import torch
+
+from ssd_jax import LLM, EngineConfig, SamplingParams
+from ssd_jax.loading import load
+
+ENGINE = EngineConfig(max_batch=4, max_seq_len=256, prefill_bucket=16)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama):
+    model, tok, _ = load(tiny_llama[0])
+    return LLM(model, tokenizer=tok, engine=ENGINE), tiny_llama[1]
+
+
+def _hf_greedy(hf_model, ids, n):
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
+                                do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def test_batched_greedy_matches_transformers(tiny):
+    llm, hf_model = tiny
+    prompts = [[5, 9, 11], list(range(20, 39)), [7] * 8]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == _hf_greedy(hf_model, p, 20)
+        assert o.finish_reason == "length" and len(o.token_ids) == 20
+
+
+def test_stop_token_ends_row_only(tiny):
+    llm, hf_model = tiny
+    ref = _hf_greedy(hf_model, [5, 9, 11], 12)
+    stop = ref[4]
+    first = ref.index(stop)
+    outs = llm.generate([[5, 9, 11], list(range(20, 39))],
+                        [SamplingParams(max_new_tokens=12, stop_token_ids=(stop,), ignore_eos=True),
+                         SamplingParams(max_new_tokens=12, ignore_eos=True)])
+    assert outs[0].token_ids == ref[:first + 1] and outs[0].finish_reason == "stop"
+    assert outs[1].token_ids == _hf_greedy(hf_model, list(range(20, 39)), 12)
+
+
+def test_seeded_sampling_is_independent_of_batch(tiny):
+    llm, _ = tiny
+    p = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_new_tokens=10, seed=7,
+                       ignore_eos=True)
+    alone = llm.generate([[3, 4, 5]], p)[0].token_ids
+    batched = llm.generate([[8, 8], [3, 4, 5], [1, 2]],
+                           [SamplingParams(temperature=1.0, seed=1), p,
+                            SamplingParams(max_new_tokens=3)])[1].token_ids
+    assert alone == batched
+    other = llm.generate([[3, 4, 5]], SamplingParams(temperature=0.9, top_p=0.95, top_k=50,
+                                                      max_new_tokens=10, seed=8,
+                                                      ignore_eos=True))[0].token_ids
+    assert other != alone  # 10 tokens over a 128 vocab: a collision would be a bug
+
+
+def test_first_sampled_token_follows_target_distribution(tiny):
+    """64 seeds x first token at T=1 vs the exact softmax of transformers' logits (chi-square)."""
+    from scipy import stats
+    llm, hf_model = tiny
+    prompt = [5, 9, 11]
+    with torch.no_grad():
+        p = torch.softmax(hf_model(torch.tensor([prompt])).logits[0, -1].double() / 0.7, -1).numpy()
+    counts = np.zeros(128)
+    n = 0
+    for start in range(0, 256, 4):
+        outs = llm.generate([prompt] * 4, [SamplingParams(temperature=0.7, max_new_tokens=1,
+                                                          seed=start + i) for i in range(4)])
+        for o in outs:
+            counts[o.token_ids[0]] += 1
+            n += 1
+    # Pool rare tokens so the chi-square approximation holds.
+    order = np.argsort(-p)
+    top = order[:6]
+    obs = np.append(counts[top], n - counts[top].sum())
+    exp = np.append(p[top], 1 - p[top].sum()) * n
+    exp *= n / exp.sum()
+    assert stats.chisquare(obs, exp).pvalue > 1e-3
+
+
+def test_stream_concatenates_to_generate(smollm2):
+    p = SamplingParams(max_new_tokens=20)
+    text = "".join(smollm2.stream("Name three colours.", p))
+    assert text == smollm2.generate("Name three colours.", p)[0].text
+    assert len(text) > 0
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(prompts=[""]), "prompt is empty"),
+    (dict(prompts=[[]]), "prompt is empty"),
+    (dict(prompts=[[1] * 250], params=SamplingParams(max_new_tokens=10)), "more than the context"),
+    (dict(prompts=[[1]] * 5), "exceeds max_batch=4"),
+    (dict(prompts=[[1, 999]]), "outside the vocabulary"),
+])
+def test_bad_input_names_the_problem(tiny, bad, match):
+    llm, _ = tiny
+    with pytest.raises(ValueError, match=match):
+        llm.generate(bad["prompts"], bad.get("params", SamplingParams()))
+
+
+def test_bad_sampling_params():
+    with pytest.raises(ValueError, match="temperature=-0.5 is invalid"):
+        SamplingParams(temperature=-0.5)
+    with pytest.raises(ValueError, match="top_p=0.0"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        SamplingParams(max_new_tokens=0)
+
+
+def test_unknown_model_path():
+    with pytest.raises(FileNotFoundError, match="not found"):
+        LLM("/no/such/model")

@@ -1,0 +1,189 @@
+"""sampling.py against brute-force numpy references and exact distributions (chi-square)."""
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+from beartype import beartype
+from jaxtyping import jaxtyped
+
+from ssd_jax import sampling
+
+P_MIN = 1e-3  # chi-square p-value below which a sampler is declared wrong (fixed seeds)
+
+
+def checked(fn):
+    """Check the jaxtyping shape annotations at call time."""
+    return jaxtyped(typechecker=beartype)(fn)
+
+
+def ranking(probs):
+    """Token ids by (prob desc, id asc): the tie rule the library documents."""
+    return sorted(range(len(probs)), key=lambda i: (-probs[i], i))
+
+
+def np_process(logits, temperature, top_k, top_p):
+    """Brute force in float64: softmax, keep the first top_k ranks, then the smallest prefix of
+    ranks whose mass reaches top_p (tried size by size), renormalise."""
+    logits = np.asarray(logits, np.float64)
+    V = len(logits)
+    if temperature == 0:
+        return np.eye(V)[int(np.argmax(logits))]
+    z = logits / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    kept = ranking(p)[: top_k if 0 < top_k <= V else V]
+    kept = [i for i in kept if p[i] > 0]
+    mass = p[kept].sum()
+    if top_p < 1.0:
+        for n in range(1, len(kept) + 1):
+            if p[kept[:n]].sum() / mass >= top_p - sampling.TOP_P_SLACK:
+                kept = kept[:n]
+                break
+    out = np.zeros(V)
+    out[kept] = p[kept]
+    return out / out.sum()
+
+
+LOG = np.log
+# (logits, temperature, top_k, top_p): hand-made so every boundary case is exact.
+CASES = [
+    ([1.0, 2.0, 0.5, -1.0, 0.0], 1.0, 0, 1.0),            # plain softmax
+    ([1.0, 2.0, 0.5, -1.0, 0.0], 0.5, 0, 1.0),            # temperature
+    ([1.0, 3.0, 3.0, -1.0, 3.0], 0.0, 0, 1.0),            # greedy, tie -> lowest index (1)
+    ([1.0, 3.0, 2.0, 2.0, 0.0], 1.0, 2, 1.0),             # top-k tie at the boundary: keep 1, 2
+    ([1.0, 3.0, 2.0, 2.0, 0.0], 1.0, 7, 1.0),             # top_k > V is off
+    ([1.0, 3.0, 2.0, 2.0, 0.0], 1.0, 1, 1.0),             # top_k = 1 is argmax
+    (LOG([0.5, 0.25, 0.125, 0.125, 1e-9]), 1.0, 0, 0.75),  # mass exactly reaches top_p: 2 kept
+    (LOG([0.5, 0.25, 0.125, 0.125, 1e-9]), 1.0, 0, 0.7501),  # just past: 3 kept
+    (LOG([0.5, 0.25, 0.125, 0.125, 1e-9]), 1.0, 0, 0.7499),  # just short: 2 kept
+    (LOG([0.5, 0.25, 0.125, 0.125, 1e-9]), 1.0, 0, 0.3),   # top token alone reaches it
+    (LOG([0.5, 0.25, 0.125, 0.125, 1e-9]), 1.0, 0, 0.0),   # top_p = 0 still keeps one token
+    (LOG([0.4, 0.2, 0.2, 0.2, 1e-9]), 1.0, 0, 0.6),        # top-p tie at the boundary: keep 0, 1
+    ([0.3, -0.2, 1.1, 0.9, 0.8], 0.7, 3, 0.8),            # top-k then top-p on the renormalised
+    ([0.3, -np.inf, 1.1, 0.9, -np.inf], 1.3, 0, 0.95),    # masked logits
+    ([0.3, -np.inf, 1.1, 0.9, -np.inf], 1.0, 4, 1.0),     # top_k beyond the finite tokens
+]
+
+
+def _batch(cases):
+    logits, t, k, p = zip(*cases)
+    return (jnp.asarray(np.array(logits), jnp.float32), jnp.asarray(t, jnp.float32),
+            jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32))
+
+
+def test_process_probs_matches_bruteforce():
+    got = jax.jit(checked(sampling.process_probs))(*_batch(CASES))
+    want = np.stack([np_process(*c) for c in CASES])
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, atol=2e-6)
+    # The boundary cases, spelled out (independent of the oracle's code).
+    np.testing.assert_array_equal(np.asarray(got[3]) > 0, [0, 1, 1, 0, 0])
+    np.testing.assert_array_equal(np.asarray(got[6]) > 0, [1, 1, 0, 0, 0])
+    np.testing.assert_array_equal(np.asarray(got[7]) > 0, [1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(np.asarray(got[11]) > 0, [1, 1, 0, 0, 0])
+    np.testing.assert_array_equal(got[2], np.eye(5)[1])
+
+
+def test_process_probs_without_truncation_skips_sort_branch_correctly():
+    plain = [c for c in CASES if c[2] == 0 and c[3] >= 1.0]
+    got = jax.jit(sampling.process_probs)(*_batch(plain))
+    np.testing.assert_allclose(got, np.stack([np_process(*c) for c in plain]), atol=2e-6)
+
+
+def test_process_probs_broadcasts_row_settings_over_middle_axes():
+    # [B, S, V]: each row's settings apply to all S positions; positions use different logits.
+    rows = CASES[:6]
+    logits, t, k, p = _batch(rows)
+    rolled = jnp.stack([jnp.roll(logits, s, axis=-1) for s in range(3)], axis=1)  # [B, 3, V]
+    got = checked(sampling.process_probs)(rolled, t, k, p)
+    for b, (_, tb, kb, pb) in enumerate(rows):
+        for s in range(3):
+            np.testing.assert_allclose(
+                got[b, s], np_process(np.asarray(rolled[b, s]), tb, kb, pb), atol=2e-6)
+
+
+def chi2_pvalue(counts, probs):
+    """Goodness of fit of category counts to probs; drawing an impossible category gives 0."""
+    counts, probs = np.asarray(counts, np.float64), np.asarray(probs, np.float64)
+    if counts[probs == 0].sum() > 0:
+        return 0.0
+    expected = probs / probs.sum() * counts.sum()
+    keep = expected >= 5  # merge sparse cells: the chi-square approximation needs ~5 per cell
+    obs = np.append(counts[keep], counts[~keep].sum())
+    exp = np.append(expected[keep], expected[~keep].sum())
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    return scipy.stats.chisquare(obs, exp).pvalue
+
+
+def test_sample_frequencies_match_probs():
+    probs = np.array([0.5, 0.3, 0.0, 0.199, 0.001], np.float32)
+    n = 200_000
+    keys = jax.random.split(jax.random.key(0), n)
+    draws = jax.jit(checked(sampling.sample))(jnp.broadcast_to(probs, (n, 5)), keys)
+    counts = np.bincount(np.asarray(draws), minlength=5)
+    assert counts[2] == 0
+    assert chi2_pvalue(counts, probs) > P_MIN
+    # Gumbel-max is scale invariant: unnormalised weights give the same draws for the same keys.
+    again = sampling.sample(jnp.broadcast_to(probs * 7.0, (n, 5)), keys)
+    np.testing.assert_array_equal(draws, again)
+
+
+def test_sample_never_picks_zero_probability():
+    n, V = 4096, 8
+    keys = jax.random.split(jax.random.key(1), n)
+    probs = np.zeros((n, V), np.float32)
+    probs[:, 3] = 1e-30  # one tiny-but-positive token among zeros must always be the pick
+    probs[::2, 6] = 1.0
+    draws = np.asarray(sampling.sample(jnp.asarray(probs), keys))
+    np.testing.assert_array_equal(draws[::2], 6)
+    np.testing.assert_array_equal(draws[1::2], 3)
+
+
+def test_next_token_greedy_and_sampled_rows():
+    logits = jnp.asarray([[0.2, 1.5, 1.5, -0.3, 0.9, 0.0]] * 4, jnp.float32)
+    t = jnp.asarray([0.0, 0.7, 0.7, 1.0], jnp.float32)
+    k = jnp.asarray([0, 3, 1, 0], jnp.int32)
+    p = jnp.asarray([1.0, 0.9, 1.0, 1.0], jnp.float32)
+    n = 50_000
+    keys = jax.random.split(jax.random.key(2), (n, 4))
+    step = jax.jit(jax.vmap(checked(sampling.next_token), in_axes=(None, None, None, None, 0)))
+    toks = np.asarray(step(logits, t, k, p, keys))  # [n, 4]
+    np.testing.assert_array_equal(toks[:, 0], 1)  # greedy: first of the tied maxima
+    np.testing.assert_array_equal(toks[:, 2], 1)  # top_k=1 agrees with greedy on ties
+    for row in (1, 3):
+        want = np_process(np.asarray(logits[row]), float(t[row]), int(k[row]), float(p[row]))
+        counts = np.bincount(toks[:, row], minlength=6)
+        assert chi2_pvalue(counts, want) > P_MIN
+
+
+def np_saguaro(q, num_top, c):
+    top = ranking(q)[:num_top]
+    out = np.array(q, np.float64)
+    out[top] *= c
+    return out / out.sum()
+
+
+def test_saguaro_rescale_matches_reference():
+    rng = np.random.default_rng(0)
+    q = rng.dirichlet(np.ones(6), size=(3, 2)).astype(np.float32)  # [B=3, K=2, V=6]
+    q[0, 0] = [0.3, 0.3, 0.1, 0.1, 0.1, 0.1]  # tie at the top-2 boundary and inside
+    q[1, 1] = [0.1, 0.3, 0.1, 0.4, 0.1, 0.0]  # tie at the top-3 boundary: ids 0 and 2 -> 0
+    c = np.array([0.3, 0.5, 1.0], np.float32)
+    for num_top in (1, 2, 3):
+        got = jax.jit(checked(sampling.saguaro_rescale), static_argnums=1)(
+            jnp.asarray(q), num_top, jnp.asarray(c))
+        for b, j in itertools.product(range(3), range(2)):
+            np.testing.assert_allclose(got[b, j], np_saguaro(q[b, j], num_top, c[b]), atol=1e-6)
+    got = sampling.saguaro_rescale(jnp.asarray(q), 2, 0.25)  # scalar C
+    np.testing.assert_allclose(got[1, 1], np_saguaro(q[1, 1], 2, 0.25), atol=1e-6)
+    np.testing.assert_allclose(got[1, 1, 5], 0.0)  # zeros stay zero: q' never invents support
+
+
+@pytest.mark.parametrize("num_top,c", [(2, 1.0), (0, 0.3), (9, 0.3)])
+def test_saguaro_rescale_identity_cases(num_top, c):
+    q = jnp.asarray(np.random.default_rng(1).dirichlet(np.ones(5), size=4), jnp.float32)
+    # C = 1 changes nothing; num_top = 0 scales nothing; num_top >= V scales everything equally.
+    np.testing.assert_allclose(sampling.saguaro_rescale(q, num_top, c), q, atol=1e-6)
