@@ -56,6 +56,7 @@ class LLM:
         self.engine = engine
         self.runner = ModelRunner(self.model)
         self.config = self.model.config
+        self.last_metrics: RunMetrics | None = None  # of the latest generate/stream call
 
     # ---------------------------------------------------------------- prompts and validation
     def _encode(self, prompt: Prompt, chat: bool) -> list[int]:
@@ -174,6 +175,7 @@ class LLM:
                     elif len(out[i]) >= params[i].max_new_tokens:
                         reason[i] = "length"
             metrics.new_tokens = sum(len(o) for o in out)
+            self.last_metrics = metrics
             yield out, reason, metrics
 
     def _prepare(self, prompts, sampling_params, chat):
@@ -203,6 +205,17 @@ class LLM:
             pass
         return [RequestOutput(ids[i], out[i], self._text(out[i]), reason[i] or "length", metrics)
                 for i in range(len(ids))]
+
+    def warmup(self, prompts, sampling_params: SamplingParams = SamplingParams(), *,
+               chat: bool = True) -> float:
+        """Compile the programs a `generate` of these prompts will use (prefill and the decode
+        step at the same shape buckets) by running its first chunk. Returns seconds spent."""
+        t0 = time.perf_counter()
+        ids, params = self._prepare(prompts, sampling_params, chat)
+        for i, _ in enumerate(self._run(ids, params)):
+            if i == 1:
+                break
+        return time.perf_counter() - t0
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams = SamplingParams(),
                *, chat: bool = True) -> Iterator[str]:
