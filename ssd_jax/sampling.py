@@ -110,9 +110,16 @@ def next_token(
     keys: Key[Array, " B"],
 ) -> Int[Array, " B"]:
     """The AR step: greedy rows take argmax of the logits, other rows sample from process_probs."""
-    sampled = sample(process_probs(logits, temperature, top_k, top_p), keys)
+    temperature = jnp.asarray(temperature)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jnp.where(jnp.asarray(temperature) == 0, greedy, sampled)
+
+    def sampled(_):
+        drawn = sample(process_probs(logits, temperature, top_k, top_p), keys)
+        return jnp.where(temperature == 0, greedy, drawn)
+
+    # An all-greedy batch skips the vocabulary-wide softmax and Gumbel noise (~2 ms per step
+    # for a 49k vocabulary on this CPU).
+    return jax.lax.cond(jnp.all(temperature == 0), lambda _: greedy, sampled, None)
 
 
 def saguaro_rescale(

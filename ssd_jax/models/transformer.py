@@ -45,9 +45,13 @@ class KVCache(NamedTuple):
 
 
 def _commit(cache: KVCache, new: KVCache, start: Int[Array, " B"]) -> KVCache:
+    # One dynamic_update_slice per row: a vmapped update with per-row offsets lowers to a
+    # scatter, which on XLA:CPU cost 16 ms per step for SmolLM2 instead of well under 1 ms.
     def write(c, n):
-        return jax.vmap(lambda cr, nr, s: jax.lax.dynamic_update_slice(
-            cr, nr.astype(cr.dtype), (s, 0, 0)))(c, n, start)
+        n = n.astype(c.dtype)
+        for b in range(c.shape[0]):
+            c = jax.lax.dynamic_update_slice(c, n[b:b + 1], (b, start[b], 0, 0))
+        return c
     return jax.tree.map(write, cache, new)
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks: the ssd-bench CLI and focused scripts (AR vs torch, kernels)."""
