@@ -111,6 +111,34 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SpecConfig:
+    """Speculation settings shared by SD and SSD (SSD-only fields are ignored by SD)."""
+
+    k: int = 4  # lookahead: draft tokens per round
+    fanout: str = "geometric"  # SSD: "uniform" | "geometric" | "empirical"
+    budget: int = 0  # SSD: branches per row M (0 = 2 * (K + 1))
+    c: float = 1.0  # SSD Saguaro sampling constant in (0, 1]
+    backup: str = "neural"  # SSD: "neural" | "fast" | "auto"
+
+    def __post_init__(self):
+        if self.k < 1:
+            raise ValueError(f"K={self.k} is invalid: lookahead must be >= 1")
+        if self.fanout not in ("uniform", "geometric", "empirical"):
+            raise ValueError(f"fanout={self.fanout!r}: use 'uniform', 'geometric' or 'empirical'")
+        if self.budget and self.budget < self.k + 1:
+            raise ValueError(f"budget={self.budget} is smaller than K+1={self.k + 1}: every accept "
+                             "length needs at least one branch; raise the budget or lower K")
+        if not 0.0 < self.c <= 1.0:
+            raise ValueError(f"c={self.c} is invalid: Saguaro's C must lie in (0, 1]")
+        if self.backup not in ("neural", "fast", "auto"):
+            raise ValueError(f"backup={self.backup!r}: use 'neural', 'fast' or 'auto'")
+
+    @property
+    def branches(self) -> int:
+        return self.budget or 2 * (self.k + 1)
+
+
+@dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Static shapes of the decode engine. Shapes are bucketed so that a run compiles once."""
 
@@ -118,6 +146,7 @@ class EngineConfig:
     max_seq_len: int = 1024
     prefill_bucket: int = 64  # prompt lengths are padded up to a multiple of this
     sync_every: int = 8  # decode steps dispatched before the host reads tokens (EOS check)
+    sync_phases: bool = False  # SD/SSD: block between draft and verify to time each phase
 
     def __post_init__(self):
         for name in ("max_batch", "max_seq_len", "prefill_bucket", "sync_every"):

@@ -5,22 +5,21 @@ bucket); shapes are bucketed so repeated calls reuse compiled programs.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 
-from ssd_jax.config import EngineConfig, SamplingParams
+from ssd_jax.ar import ar_loop
+from ssd_jax.batch import make_batch, round_up
+from ssd_jax.config import EngineConfig, SamplingParams, SpecConfig
 from ssd_jax.loading import load
 from ssd_jax.loading.tokenizer import Tokenizer
 from ssd_jax.metrics import RunMetrics
 from ssd_jax.models.transformer import Transformer
-from ssd_jax.runner import ModelRunner, RowSampling
+from ssd_jax.runner import ModelRunner
+from ssd_jax.sd import sd_loop
 
 Prompt = str | Sequence[int] | list[dict]  # text, token ids, or chat messages
 
@@ -34,8 +33,12 @@ class RequestOutput:
     metrics: RunMetrics | None = field(default=None, repr=False)
 
 
-def _round_up(x: int, multiple: int) -> int:
-    return int(math.ceil(x / multiple) * multiple)
+def vocab_from_extra(extra: dict):
+    """The draft->target vocab map stored with a draft checkpoint, if any."""
+    if not extra.get("vocab_map"):
+        return None
+    from ssd_jax.draft_vocab import VocabMap
+    return VocabMap.from_extra(extra)
 
 
 class LLM:
@@ -46,16 +49,33 @@ class LLM:
     """
 
     def __init__(self, model: str | Path | Transformer = "smollm2", *,
+                 draft: str | Path | Transformer | None = None,
                  tokenizer: Tokenizer | None = None, dtype: str = "float32",
-                 engine: EngineConfig = EngineConfig(), cache_dir: Path | None = None):
+                 spec: SpecConfig = SpecConfig(), engine: EngineConfig = EngineConfig(),
+                 cache_dir: Path | None = None):
         if isinstance(model, Transformer):
             self.model, self.tokenizer = model, tokenizer
         else:
             self.model, self.tokenizer, _ = load(model, dtype=dtype, cache_dir=cache_dir,
                                                  progress=True)
-        self.engine = engine
+        self.engine, self.spec = engine, spec
         self.runner = ModelRunner(self.model)
         self.config = self.model.config
+        self.draft_runner, self.vocab = None, None
+        if draft is not None:
+            if isinstance(draft, Transformer):
+                draft_model, extra = draft, {}
+            else:
+                draft_model, _, extra = load(draft, dtype=dtype, cache_dir=cache_dir)
+            self.vocab = vocab_from_extra(extra)
+            draft_vocab = (draft_model.config.vocab_size if self.vocab is None
+                           else self.vocab.target_vocab_size)
+            if draft_vocab != self.config.vocab_size:
+                raise ValueError(
+                    f"draft vocabulary ({draft_vocab}) differs from the target's "
+                    f"({self.config.vocab_size}): use a draft with the target's tokenizer (or a "
+                    "draft checkpoint with a vocab map to the target's ids)")
+            self.draft_runner = ModelRunner(draft_model)
         self.last_metrics: RunMetrics | None = None  # of the latest generate/stream call
 
     # ---------------------------------------------------------------- prompts and validation
@@ -87,13 +107,18 @@ class LLM:
             eos += list(self.tokenizer.eos_token_ids)
         return sorted(set(eos) | set(p.stop_token_ids))
 
-    def _check_batch(self, ids: list[list[int]], params: list[SamplingParams]) -> int:
+    def _check_batch(self, ids: list[list[int]], params: list[SamplingParams], mode: str) -> int:
         if len(ids) > self.engine.max_batch:
             raise ValueError(f"batch of {len(ids)} prompts exceeds max_batch="
                              f"{self.engine.max_batch}: split the batch or raise "
                              "EngineConfig(max_batch=...)")
         need = max(len(t) + p.max_new_tokens for t, p in zip(ids, params))
         limit = min(self.engine.max_seq_len, self.config.max_position_embeddings)
+        if mode != "ar" and need + self.spec.k + 1 > limit >= need:
+            raise ValueError(f"K={self.spec.k} needs K+1={self.spec.k + 1} slots of cache slack "
+                             f"past the {need} positions of prompt + max_new_tokens, beyond the "
+                             f"context of {limit}: lower K or max_new_tokens, or raise "
+                             "EngineConfig(max_seq_len=...)")
         if need > limit:
             longest = max(len(t) for t in ids)
             raise ValueError(f"prompt ({longest} tokens) + max_new_tokens needs {need} positions, "
@@ -101,70 +126,43 @@ class LLM:
                              "max_new_tokens or raise EngineConfig(max_seq_len=...)")
         return need
 
-    # ---------------------------------------------------------------- decode loop
-    def _batch_arrays(self, ids, params):
-        # Pad the batch to a power of two with copies of row 0 that stop after one token, so
-        # batches of 3 and 4 share one compiled program.
-        B = 1 << (len(ids) - 1).bit_length()
-        ids = list(ids) + [ids[0]] * (B - len(ids))
-        params = list(params) + [SamplingParams(max_new_tokens=1)] * (B - len(params))
-        T = _round_up(max(len(t) for t in ids), self.engine.prefill_bucket)
-        tokens = np.zeros((B, T), np.int32)
-        for i, t in enumerate(ids):
-            tokens[i, :len(t)] = t
-        prompt_len = np.array([len(t) for t in ids], np.int32)
-        stops = [self._stop_ids(p) for p in params]
-        width = max(1, max(len(s) for s in stops))
-        stop_ids = np.full((B, width), -1, np.int32)
-        for i, s in enumerate(stops):
-            stop_ids[i, :len(s)] = s
-        sampling = RowSampling(
-            temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
-            top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
-            top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
-            keys=jax.vmap(jax.random.key)(jnp.asarray([p.seed for p in params], jnp.uint32)))
-        max_new = np.array([p.max_new_tokens for p in params], np.int32)
-        return tokens, prompt_len, sampling, stop_ids, max_new
+    # ---------------------------------------------------------------- decode loops
+    def _resolve_mode(self, mode: str | None) -> str:
+        mode = mode or ("sd" if self.draft_runner is not None else "ar")
+        if mode not in ("ar", "sd"):
+            raise ValueError(f"mode={mode!r} is unknown: use 'ar' or 'sd'")
+        if mode != "ar" and self.draft_runner is None:
+            raise ValueError(f"mode={mode!r} needs a draft model: LLM(target, draft=...)")
+        return mode
 
-    def _run(self, ids: list[list[int]], params: list[SamplingParams]
-             ) -> Iterator[tuple[np.ndarray, np.ndarray, RunMetrics]]:
-        """Yields (tokens [B, n], done [B]) chunks as the host reads them."""
-        need = self._check_batch(ids, params)
-        tokens, prompt_len, sampling, stop_ids, max_new = self._batch_arrays(ids, params)
-        seq_len = _round_up(max(need, tokens.shape[1]) + 1, 256)
-        metrics = RunMetrics(mode="ar", batch=len(ids))
-        cache = self.runner.new_cache(tokens.shape[0], seq_len)
-        t0 = time.perf_counter()
-        state, cache = self.runner.prefill(jnp.asarray(tokens), jnp.asarray(prompt_len), cache,
-                                           sampling, jnp.asarray(stop_ids), jnp.asarray(max_new))
-        first = np.asarray(state.tokens)  # TTFT includes the first token's transfer
-        metrics.ttft_s = time.perf_counter() - t0
-        yield first[:len(ids), None], np.asarray(state.done)[:len(ids)], metrics
-        steps = int(max_new[:len(ids)].max()) - 1
-        stop_ids, max_new = jnp.asarray(stop_ids), jnp.asarray(max_new)
-        t1 = time.perf_counter()
-        done_step = 0
-        while done_step < steps:
-            chunk = []
-            # Dispatch a few steps before reading: the host never waits inside the chunk.
-            for _ in range(min(self.engine.sync_every, steps - done_step)):
-                state, cache = self.runner.decode(state, cache, sampling, stop_ids, max_new)
-                chunk.append((state.tokens, state.done))
-            done_step += len(chunk)
-            toks = np.stack([np.asarray(t)[:len(ids)] for t, _ in chunk], axis=1)
-            done = np.asarray(chunk[-1][1])[:len(ids)]
-            metrics.decode_steps += len(chunk)
-            metrics.decode_s = time.perf_counter() - t1
-            yield toks, done, metrics
-            if done.all():
-                break
+    def _run(self, ids: list[list[int]], params: list[SamplingParams], mode: str
+             ) -> Iterator[tuple[list[list[int]], RunMetrics]]:
+        """Yields (new tokens per real row, metrics) chunk by chunk."""
+        need = self._check_batch(ids, params, mode)
+        batch = make_batch(ids, params, [self._stop_ids(p) for p in params],
+                           self.engine.prefill_bucket)
+        # Speculative modes write K+1 slots past the committed length each round.
+        slack = self.spec.k + 2 if mode != "ar" else 1
+        seq_len = round_up(max(need, batch.tokens.shape[1]) + slack, 256)
+        metrics = RunMetrics(mode=mode, batch=len(ids), sync_phases=self.engine.sync_phases,
+                             k=self.spec.k if mode != "ar" else 0)
+        cache = self.runner.new_cache(batch.size, seq_len)
+        if mode == "ar":
+            chunks = ar_loop(self.runner, batch, cache, metrics, self.engine.sync_every)
+        else:
+            draft_cache = self.draft_runner.new_cache(batch.size, seq_len)
+            chunks = sd_loop(self.runner, self.draft_runner, self.vocab, batch, cache,
+                             draft_cache, self.spec.k, metrics, self.engine.sync_every)
+        for chunk in chunks:
+            yield chunk, metrics
 
-    def _collect(self, ids, params) -> Iterator[tuple[list[list[int]], list[str | None], RunMetrics]]:
+    def _collect(self, ids, params, mode
+                 ) -> Iterator[tuple[list[list[int]], list[str | None], RunMetrics]]:
         """Per-row token lists grown chunk by chunk, cut at the stop token / budget."""
         out: list[list[int]] = [[] for _ in ids]
         reason: list[str | None] = [None] * len(ids)
         stops = [set(self._stop_ids(p)) for p in params]
-        for toks, _, metrics in self._run(ids, params):
+        for toks, metrics in self._run(ids, params, mode):
             for i in range(len(ids)):
                 for t in toks[i]:
                     if reason[i] is not None:
@@ -196,33 +194,37 @@ class LLM:
     # ---------------------------------------------------------------- public API
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-                 *, chat: bool = True) -> list[RequestOutput]:
+                 *, chat: bool = True, mode: str | None = None) -> list[RequestOutput]:
         """Generate for a batch of prompts. Strings go through the chat template unless
-        chat=False; token-id lists are used as they are."""
+        chat=False; token-id lists are used as they are. mode: "ar" or "sd" (default: "sd"
+        when a draft is loaded, else "ar")."""
+        mode = self._resolve_mode(mode)
         ids, params = self._prepare(prompts, sampling_params, chat)
         out = reason = metrics = None
-        for out, reason, metrics in self._collect(ids, params):
+        for out, reason, metrics in self._collect(ids, params, mode):
             pass
         return [RequestOutput(ids[i], out[i], self._text(out[i]), reason[i] or "length", metrics)
                 for i in range(len(ids))]
 
     def warmup(self, prompts, sampling_params: SamplingParams = SamplingParams(), *,
-               chat: bool = True) -> float:
+               chat: bool = True, mode: str | None = None) -> float:
         """Compile the programs a `generate` of these prompts will use (prefill and the decode
         step at the same shape buckets) by running its first chunk. Returns seconds spent."""
         t0 = time.perf_counter()
+        mode = self._resolve_mode(mode)
         ids, params = self._prepare(prompts, sampling_params, chat)
-        for i, _ in enumerate(self._run(ids, params)):
+        for i, _ in enumerate(self._run(ids, params, mode)):
             if i == 1:
                 break
         return time.perf_counter() - t0
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams = SamplingParams(),
-               *, chat: bool = True) -> Iterator[str]:
+               *, chat: bool = True, mode: str | None = None) -> Iterator[str]:
         """Yield text pieces of one request as they are decoded."""
+        mode = self._resolve_mode(mode)
         ids, params = self._prepare([prompt], sampling_params, chat)
         shown = ""
-        for out, _, _ in self._collect(ids, params):
+        for out, _, _ in self._collect(ids, params, mode):
             text = self._text(out[0])
             # Hold back a trailing replacement char: a multi-byte character may be incomplete.
             stable = text[:-1] if text.endswith("\ufffd") else text

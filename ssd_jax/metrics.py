@@ -13,6 +13,10 @@ class RunMetrics:
     decode_steps: int = 0  # target forwards after prefill (AR: one per token; SD/SSD: rounds)
     new_tokens: int = 0  # tokens kept, all rows, first token included
     accept_hist: list[int] = field(default_factory=list)  # SD/SSD: rounds with k accepted
+    k: int = 0  # SD/SSD lookahead
+    sync_phases: bool = False  # block after draft and verify to time them apart
+    draft_s: float = 0.0  # time in drafting (only with sync_phases)
+    verify_s: float = 0.0  # time in target verification (only with sync_phases)
 
     @property
     def decode_tokens(self) -> int:
@@ -29,8 +33,25 @@ class RunMetrics:
         per_row = self.decode_tokens / max(self.batch, 1)
         return 1e3 * self.decode_s / per_row if per_row else 0.0
 
+    @property
+    def tokens_per_round(self) -> float:
+        """Mean tokens a row emits per target forward (AR: 1)."""
+        rounds = sum(self.accept_hist)
+        if not rounds:
+            return 1.0
+        return sum((k + 1) * c for k, c in enumerate(self.accept_hist)) / rounds
+
+    @property
+    def acceptance(self) -> float:
+        """Per-token acceptance estimate: accepted draft tokens / proposed draft tokens."""
+        rounds = sum(self.accept_hist)
+        if not rounds or not self.k:
+            return 0.0
+        return sum(k * c for k, c in enumerate(self.accept_hist)) / (rounds * self.k)
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(decode_tokens=self.decode_tokens, decode_tok_s=self.decode_tok_s,
-                 tpot_ms=self.tpot_ms)
+                 tpot_ms=self.tpot_ms, tokens_per_round=self.tokens_per_round,
+                 acceptance=self.acceptance)
         return d

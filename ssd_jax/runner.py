@@ -56,6 +56,14 @@ def forward(graphdef, params, tokens: Int[Array, "B T"], positions: Int[Array, "
     return _merge(graphdef, params)(tokens, positions, cache, prefix_len, mask)
 
 
+@partial(jax.jit, static_argnames=("graphdef",))
+def fill_kv(graphdef, params, tokens: Int[Array, "B T"], cache: KVCache):
+    B, T = tokens.shape
+    return _merge(graphdef, params)(tokens, jnp.broadcast_to(jnp.arange(T), (B, T)), cache,
+                                    jnp.zeros((B,), jnp.int32), causal_mask(B, T),
+                                    logit_index=jnp.zeros((B, 1), jnp.int32))
+
+
 def _is_stop(tokens: Int[Array, " B"], stop_ids: Int[Array, "B S"]) -> Bool[Array, " B"]:
     return jnp.any(tokens[:, None] == stop_ids, axis=-1)
 
@@ -126,6 +134,11 @@ class ModelRunner:
         new_state, new_kv = decode_step(self.graphdef, self.params, state, cache, sampling,
                                         stop_ids, max_new)
         return new_state, commit(cache, new_kv, state.lengths)
+
+    def fill(self, tokens: Int[Array, "B T"], cache: KVCache) -> KVCache:
+        """Write a prompt's K/V into the cache (a draft's prefill: its logits are not needed)."""
+        _, new_kv = fill_kv(self.graphdef, self.params, tokens, cache)
+        return commit(cache, new_kv, jnp.zeros((tokens.shape[0],), jnp.int32))
 
     def forward(self, tokens, positions, cache, prefix_len, mask):
         return forward(self.graphdef, self.params, tokens, positions, cache, prefix_len, mask)

@@ -1,0 +1,63 @@
+"""A batch of requests as padded host/device arrays with static, bucketed shapes."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ssd_jax.config import SamplingParams
+from ssd_jax.runner import RowSampling
+
+
+def round_up(x: int, multiple: int) -> int:
+    return int(math.ceil(x / multiple) * multiple)
+
+
+@dataclass
+class Batch:
+    """Rows 0..n-1 are real requests; the rest pad the batch to a power of two (copies of row 0
+    that stop after one token), so batches of 3 and 4 share one compiled program."""
+
+    n: int
+    tokens: jax.Array  # [B, T] right-padded prompts, T a multiple of the prefill bucket
+    prompt_len: jax.Array  # [B]
+    sampling: RowSampling
+    stop_ids: jax.Array  # [B, S], -1 padded
+    max_new: jax.Array  # [B]
+    greedy_only: bool  # every row greedy: programs skip softmax and randomness entirely
+    max_steps: int  # the largest max_new_tokens of a real row
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+
+def make_batch(ids: list[list[int]], params: list[SamplingParams], stops: list[list[int]],
+               prefill_bucket: int) -> Batch:
+    n = len(ids)
+    B = 1 << (n - 1).bit_length()
+    ids = list(ids) + [ids[0]] * (B - n)
+    params = list(params) + [SamplingParams(max_new_tokens=1)] * (B - n)
+    stops = list(stops) + [[]] * (B - n)
+    T = round_up(max(len(t) for t in ids), prefill_bucket)
+    tokens = np.zeros((B, T), np.int32)
+    for i, t in enumerate(ids):
+        tokens[i, :len(t)] = t
+    width = max(1, max(len(s) for s in stops))
+    stop_ids = np.full((B, width), -1, np.int32)
+    for i, s in enumerate(stops):
+        stop_ids[i, :len(s)] = s
+    sampling = RowSampling(
+        temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
+        top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
+        top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
+        keys=jax.vmap(jax.random.key)(jnp.asarray([p.seed for p in params], jnp.uint32)))
+    return Batch(n=n, tokens=jnp.asarray(tokens),
+                 prompt_len=jnp.asarray([len(t) for t in ids], jnp.int32), sampling=sampling,
+                 stop_ids=jnp.asarray(stop_ids),
+                 max_new=jnp.asarray([p.max_new_tokens for p in params], jnp.int32),
+                 greedy_only=all(p.temperature == 0 for p in params[:n]),
+                 max_steps=max(p.max_new_tokens for p in params[:n]))

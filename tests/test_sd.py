@@ -1,0 +1,169 @@
+"""Speculative decoding: greedy SD equals greedy AR token for token; sampled SD follows the
+target distribution (exact enumeration on a tiny vocabulary); clear errors."""
+import itertools
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from ssd_jax import LLM, EngineConfig, SamplingParams
+from ssd_jax.config import SpecConfig
+from ssd_jax.loading import load
+from tests.conftest import make_hf_model
+
+ENGINE = EngineConfig(max_batch=4, max_seq_len=256, prefill_bucket=16)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_llama):
+    return load(tiny_llama[0])[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory):
+    """A different random model (2 layers, other seed): partial acceptance."""
+    path = tmp_path_factory.mktemp("tiny_draft")
+    make_hf_model(path, "llama", seed=1, num_hidden_layers=1)
+    return load(path)[0]
+
+
+PROMPTS = [[5, 9, 11], list(range(20, 39)), [7] * 8]
+
+
+@pytest.mark.parametrize("draft_kind", ["same", "different"])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_sd_equals_ar(tiny_target, tiny_draft, draft_kind, batch, k):
+    draft = tiny_target if draft_kind == "same" else tiny_draft
+    llm = LLM(tiny_target, draft=draft, spec=SpecConfig(k=k), engine=ENGINE)
+    p = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    ar = llm.generate(PROMPTS[:batch], p, mode="ar")
+    sd = llm.generate(PROMPTS[:batch], p, mode="sd")
+    for a, s in zip(ar, sd):
+        assert s.token_ids == a.token_ids
+    hist = np.array(sd[0].metrics.accept_hist)
+    if draft_kind == "same":  # the target drafting for itself is always fully accepted
+        assert hist[:k].sum() == 0 and hist[k] > 0
+    else:
+        assert hist[:k].sum() > 0
+
+
+def test_sd_stop_token_matches_ar(tiny_target, tiny_draft):
+    llm = LLM(tiny_target, draft=tiny_draft, spec=SpecConfig(k=3), engine=ENGINE)
+    ref = llm.generate([PROMPTS[0]], SamplingParams(max_new_tokens=16, ignore_eos=True),
+                       mode="ar")[0].token_ids
+    stop = ref[5]
+    p = SamplingParams(max_new_tokens=16, stop_token_ids=(stop,), ignore_eos=True)
+    ar = llm.generate(PROMPTS, p, mode="ar")
+    sd = llm.generate(PROMPTS, p, mode="sd")
+    assert [o.token_ids for o in sd] == [o.token_ids for o in ar]
+    assert sd[0].finish_reason == "stop" and sd[0].token_ids[-1] == stop
+
+
+# ---------------------------------------------------------------- distribution (tiny vocab)
+
+V, N_OUT = 6, 3
+
+
+@pytest.fixture(scope="module")
+def vocab6(tmp_path_factory):
+    """Target and draft over a 6-token vocabulary, sharp enough that rejections happen."""
+    tp, dp = tmp_path_factory.mktemp("t6"), tmp_path_factory.mktemp("d6")
+    kw = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+              num_key_value_heads=1, num_hidden_layers=1, tie_word_embeddings=False,
+              bos_token_id=0, eos_token_id=0)
+    t = make_hf_model(tp, "llama", seed=3, **kw)
+    d = make_hf_model(dp, "llama", seed=4, **kw)
+    return load(tp)[0], load(dp)[0], t
+
+
+def _exact_sequence_probs(hf_model, prompt, temperature, top_p):
+    """P(first N_OUT tokens) under the target, by enumerating every sequence with transformers."""
+    import torch
+    probs = {}
+    for seq in itertools.product(range(V), repeat=N_OUT):
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompt + list(seq)])).logits[0].double()
+        total = 1.0
+        for i, tok in enumerate(seq):
+            p = torch.softmax(logits[len(prompt) - 1 + i] / temperature, -1).numpy()
+            if top_p < 1:
+                order = np.argsort(-p, kind="stable")
+                keep = np.zeros(V, bool)
+                mass = 0.0
+                for j in order:
+                    keep[j] = True
+                    mass += p[j]
+                    if mass >= top_p:
+                        break
+                p = np.where(keep, p, 0) / p[keep].sum()
+            total *= p[tok]
+        probs[seq] = total
+    return probs
+
+
+def _sd_sample_counts(target, draft, prompt, temperature, top_p, n_samples, wrong_rule=None,
+                      monkeypatch=None):
+    llm = LLM(target, draft=draft, spec=SpecConfig(k=2), engine=EngineConfig(
+        max_batch=64, max_seq_len=64, prefill_bucket=8, sync_every=4))
+    counts = {}
+    for start in range(0, n_samples, 64):
+        outs = llm.generate([prompt] * 64, [SamplingParams(
+            temperature=temperature, top_p=top_p, max_new_tokens=N_OUT, seed=start + i,
+            ignore_eos=True) for i in range(64)], mode="sd")
+        for o in outs:
+            key = tuple(o.token_ids[:N_OUT])
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _chi2_pvalue(counts, probs):
+    keys = sorted(probs, key=lambda s: -probs[s])
+    n = sum(counts.values())
+    exp = np.array([probs[s] * n for s in keys])
+    obs = np.array([counts.get(s, 0) for s in keys], float)
+    big = exp >= 5  # pool the rare sequences so the chi-square approximation holds
+    obs = np.append(obs[big], obs[~big].sum())
+    exp = np.append(exp[big], exp[~big].sum())
+    exp *= obs.sum() / exp.sum()
+    return stats.chisquare(obs, exp).pvalue
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.8, 0.9)])
+def test_sampled_sd_matches_target_distribution(vocab6, temperature, top_p):
+    target, draft, hf_target = vocab6
+    prompt = [1, 2, 3]
+    probs = _exact_sequence_probs(hf_target, prompt, temperature, top_p)
+    counts = _sd_sample_counts(target, draft, prompt, temperature, top_p, 3200)
+    assert _chi2_pvalue(counts, probs) > 1e-3
+
+
+def test_distribution_test_has_teeth(vocab6, monkeypatch):
+    """Plug in a wrong rule (recovery sampled from p instead of the residual): the same test
+    must reject it."""
+    import ssd_jax.verify as verify_mod
+    target, draft, hf_target = vocab6
+    monkeypatch.setattr(verify_mod, "_recovery_weights",
+                        lambda p_k, q_k, s_k, point_mass: p_k)
+    import jax
+    jax.clear_caches()
+    prompt = [1, 2, 3]
+    probs = _exact_sequence_probs(hf_target, prompt, 1.0, 1.0)
+    counts = _sd_sample_counts(target, draft, prompt, 1.0, 1.0, 3200)
+    jax.clear_caches()
+    assert _chi2_pvalue(counts, probs) < 1e-3
+
+
+def test_bad_spec_errors(tiny_target, tiny_draft, tmp_path):
+    with pytest.raises(ValueError, match="K=0 is invalid"):
+        SpecConfig(k=0)
+    llm = LLM(tiny_target, draft=tiny_draft, spec=SpecConfig(k=8),
+              engine=EngineConfig(max_seq_len=40, prefill_bucket=8))
+    with pytest.raises(ValueError, match="K=8 needs K\\+1=9 slots of cache slack"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=34), mode="sd")
+    other = tmp_path / "other"
+    make_hf_model(other, "llama", vocab_size=96)
+    with pytest.raises(ValueError, match="draft vocabulary \\(96\\) differs"):
+        LLM(tiny_target, draft=load(other)[0], engine=ENGINE)
+    with pytest.raises(ValueError, match="needs a draft model"):
+        LLM(tiny_target, engine=ENGINE).generate([[1, 2]], mode="sd")
