@@ -20,6 +20,7 @@ from ssd_jax.metrics import RunMetrics
 from ssd_jax.models.transformer import Transformer
 from ssd_jax.runner import ModelRunner
 from ssd_jax.sd import sd_loop
+from ssd_jax.ssd import ssd_loop
 
 Prompt = str | Sequence[int] | list[dict]  # text, token ids, or chat messages
 
@@ -129,8 +130,8 @@ class LLM:
     # ---------------------------------------------------------------- decode loops
     def _resolve_mode(self, mode: str | None) -> str:
         mode = mode or ("sd" if self.draft_runner is not None else "ar")
-        if mode not in ("ar", "sd"):
-            raise ValueError(f"mode={mode!r} is unknown: use 'ar' or 'sd'")
+        if mode not in ("ar", "sd", "ssd"):
+            raise ValueError(f"mode={mode!r} is unknown: use 'ar', 'sd' or 'ssd'")
         if mode != "ar" and self.draft_runner is None:
             raise ValueError(f"mode={mode!r} needs a draft model: LLM(target, draft=...)")
         return mode
@@ -149,10 +150,16 @@ class LLM:
         cache = self.runner.new_cache(batch.size, seq_len)
         if mode == "ar":
             chunks = ar_loop(self.runner, batch, cache, metrics, self.engine.sync_every)
-        else:
+        elif mode == "sd":
             draft_cache = self.draft_runner.new_cache(batch.size, seq_len)
             chunks = sd_loop(self.runner, self.draft_runner, self.vocab, batch, cache,
                              draft_cache, self.spec.k, metrics, self.engine.sync_every)
+        else:
+            draft_cache = self.draft_runner.new_cache(batch.size, seq_len)
+            backup = self.spec.backup if self.spec.backup != "auto" else "neural"
+            chunks = ssd_loop(self.runner, self.draft_runner, self.vocab, batch, cache,
+                              draft_cache, self.spec, metrics, self.engine.sync_every,
+                              backup=backup)
         for chunk in chunks:
             yield chunk, metrics
 

@@ -17,6 +17,7 @@ class RunMetrics:
     sync_phases: bool = False  # block after draft and verify to time them apart
     draft_s: float = 0.0  # time in drafting (only with sync_phases)
     verify_s: float = 0.0  # time in target verification (only with sync_phases)
+    ssd: object = None  # SSD: ssd.SSDStats (hit rates, accept histograms on hits / misses)
 
     @property
     def decode_tokens(self) -> int:
@@ -50,7 +51,10 @@ class RunMetrics:
         return sum(k * c for k, c in enumerate(self.accept_hist)) / (rounds * self.k)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        d = asdict({**self.__dict__, "ssd": None} and self.__class__(
+            **{**self.__dict__, "ssd": None}))
+        if self.ssd is not None:
+            d["ssd"] = self.ssd.to_dict()
         d.update(decode_tokens=self.decode_tokens, decode_tok_s=self.decode_tok_s,
                  tpot_ms=self.tpot_ms, tokens_per_round=self.tokens_per_round,
                  acceptance=self.acceptance)

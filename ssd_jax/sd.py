@@ -126,10 +126,11 @@ def advance(state: SpecState, drafts: Int[Array, "B K"], n: Int[Array, " B"],
 
 @partial(jax.jit, static_argnames=("graphdef", "greedy_only"))
 def verify_round(graphdef, params, state: SpecState, drafts: Int[Array, "B K"],
-                 q: Float[Array, "B K V"] | None, cache: KVCache, sampling: RowSampling,
-                 stop_ids, max_new, greedy_only: bool):
+                 q: Float[Array, "B K V"] | None, point_mass: Bool[Array, " B"], cache: KVCache,
+                 sampling: RowSampling, stop_ids, max_new, greedy_only: bool):
     """Target forward over [r, s_1..s_K] and exact verification. Returns the new state, the
-    emitted tokens [B, K+1] (-1 padded), the accepted counts and the K+1 new K/V."""
+    emitted tokens [B, K+1] (-1 padded), the accepted counts n, the emitted token t and the
+    K+1 new K/V. point_mass rows hold guesses not drawn from q (fast backup)."""
     B, K = drafts.shape
     tokens = jnp.concatenate([state.last[:, None], drafts], axis=1)
     positions = state.lengths[:, None] + jnp.arange(K + 1)
@@ -139,10 +140,10 @@ def verify_round(graphdef, params, state: SpecState, drafts: Int[Array, "B K"],
         n, t = verify_greedy(logits, drafts)
     else:
         p = process_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-        n, t = verify(p, drafts, q, jnp.zeros((B,), bool), sampling.temperature == 0,
+        n, t = verify(p, drafts, q, point_mass, sampling.temperature == 0,
                       stream_keys(sampling, VERIFY_STREAM, state.lengths))
     new_state, out = advance(state, drafts, n, t, stop_ids, max_new)
-    return new_state, out, n, kv
+    return new_state, out, n, t, kv
 
 
 def draft_speculation(draft: ModelRunner, vocab, state: SpecState, cache: KVCache,
@@ -186,6 +187,7 @@ def sd_loop(target: ModelRunner, draft: ModelRunner, vocab, batch: Batch,
     metrics.ttft_s = time.perf_counter() - t0
     yield [[int(t)] for t in first[:batch.n]]
     hist = np.zeros(k + 1, np.int64)
+    no_point_mass = jnp.zeros((batch.size,), bool)
     t1 = time.perf_counter()
     while True:
         rounds = []
@@ -197,9 +199,9 @@ def sd_loop(target: ModelRunner, draft: ModelRunner, vocab, batch: Batch,
                 drafts.block_until_ready()
             tv = time.perf_counter()
             state_before = state
-            state, out, n, kv = verify_round(target.graphdef, target.params, state, drafts, q,
-                                             target_cache, batch.sampling, batch.stop_ids,
-                                             batch.max_new, batch.greedy_only)
+            state, out, n, _, kv = verify_round(
+                target.graphdef, target.params, state, drafts, q, no_point_mass, target_cache,
+                batch.sampling, batch.stop_ids, batch.max_new, batch.greedy_only)
             target_cache = commit(target_cache, kv, state_before.lengths)
             if metrics.sync_phases:
                 n.block_until_ready()

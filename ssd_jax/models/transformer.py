@@ -96,7 +96,7 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def __call__(self, x, positions, inv_freq, cache_k, cache_v, prefix_len, mask,
-                 attend_fn: AttentionFn):
+                 attend_fn: AttentionFn, extra_k=None, extra_v=None):
         B, T, _ = x.shape
         q = self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
@@ -105,7 +105,11 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
-        out = attend_fn(q, cache_k, cache_v, prefix_len, k, v, mask)
+        new_k, new_v = k, v
+        if extra_k is not None:  # uncommitted K/V of earlier tokens (glue, tree branches)
+            new_k = jnp.concatenate([extra_k.astype(k.dtype), k], axis=1)
+            new_v = jnp.concatenate([extra_v.astype(v.dtype), v], axis=1)
+        out = attend_fn(q, cache_k, cache_v, prefix_len, new_k, new_v, mask)
         return self.o_proj(out.reshape(B, T, -1)), k, v
 
 
@@ -130,9 +134,10 @@ class Block(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
         self.mlp = MLP(config, rngs)
 
-    def __call__(self, x, positions, inv_freq, cache_k, cache_v, prefix_len, mask, attend_fn):
+    def __call__(self, x, positions, inv_freq, cache_k, cache_v, prefix_len, mask, attend_fn,
+                 extra_k=None, extra_v=None):
         h, k, v = self.self_attn(self.input_layernorm(x), positions, inv_freq, cache_k, cache_v,
-                                 prefix_len, mask, attend_fn)
+                                 prefix_len, mask, attend_fn, extra_k, extra_v)
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k, v
@@ -168,11 +173,16 @@ class Transformer(nnx.Module):
         positions: Int[Array, "B T"],
         cache: KVCache,
         prefix_len: Int[Array, " B"],
-        mask: Bool[Array, "B T T"],
+        mask: Bool[Array, "B T U"],
         logit_index: Int[Array, "B N"] | None = None,
+        extra: KVCache | None = None,
     ) -> tuple[Float[Array, "B N V"], KVCache]:
         """`logit_index` picks the positions whose logits are needed (the last prompt token in
-        prefill): the LM head is the largest matmul of a small model, so skip the rest."""
+        prefill): the LM head is the largest matmul of a small model, so skip the rest.
+
+        `extra` holds K/V [B, U0, Hkv, D] of earlier uncommitted tokens (SSD's glue and tree
+        branches); they join the new-token block ahead of this call's T tokens, so `mask` is
+        [B, T, U0 + T]. Only this call's K/V are returned."""
         inv_freq = jnp.asarray(inverse_frequencies(
             self.config.head_dim, self.config.rope_theta, self.config.rope_scaling))
         attend_fn = select_attention(self.config)
@@ -180,7 +190,8 @@ class Transformer(nnx.Module):
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             x, k, v = layer(x, positions, inv_freq, cache.k[i], cache.v[i], prefix_len, mask,
-                            attend_fn)
+                            attend_fn, *((extra.k[i], extra.v[i]) if extra is not None
+                                         else (None, None)))
             new_k.append(k)
             new_v.append(v)
         x = self.norm(x)
