@@ -59,8 +59,9 @@ def forward(graphdef, params, tokens: Int[Array, "B T"], positions: Int[Array, "
 @partial(jax.jit, static_argnames=("graphdef",))
 def fill_kv(graphdef, params, tokens: Int[Array, "B T"], cache: KVCache):
     B, T = tokens.shape
+    no_prefix = jax.lax.optimization_barrier(jnp.zeros((B,), jnp.int32))  # see prefill
     return _merge(graphdef, params)(tokens, jnp.broadcast_to(jnp.arange(T), (B, T)), cache,
-                                    jnp.zeros((B,), jnp.int32), causal_mask(B, T),
+                                    no_prefix, causal_mask(B, T),
                                     logit_index=jnp.zeros((B, 1), jnp.int32))
 
 
@@ -83,8 +84,11 @@ def prefill(graphdef, params, tokens: Int[Array, "B T"], prompt_len: Int[Array, 
     keys <= t, and the pad slots' K/V are overwritten by later commits."""
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    # An opaque zero: with a literal 0 prefix length XLA constant-folds the all-masked prefix
+    # scores ([B, H, T, S] per layer), which took ~2 min per layer group to compile at B=32, T=128.
+    no_prefix = jax.lax.optimization_barrier(jnp.zeros((B,), jnp.int32))
     logits, new_kv = _merge(graphdef, params)(
-        tokens, positions, cache, jnp.zeros((B,), jnp.int32), causal_mask(B, T),
+        tokens, positions, cache, no_prefix, causal_mask(B, T),
         logit_index=(prompt_len - 1)[:, None])
     first = next_token(logits[:, 0], sampling.temperature, sampling.top_k, sampling.top_p,
                        _step_keys(sampling, prompt_len))

@@ -77,29 +77,28 @@ def vocab6(tmp_path_factory):
     return load(tp)[0], load(dp)[0], t
 
 
-def _exact_sequence_probs(hf_model, prompt, temperature, top_p):
-    """P(first N_OUT tokens) under the target, by enumerating every sequence with transformers."""
+def _exact_sequence_probs(hf_model, prompt, temperature, top_p, n_out=N_OUT):
+    """P(first n_out tokens) under the target, by enumerating every sequence: one batched
+    transformers forward over all V^n_out continuations, top-p applied in numpy."""
     import torch
-    probs = {}
-    for seq in itertools.product(range(V), repeat=N_OUT):
-        with torch.no_grad():
-            logits = hf_model(torch.tensor([prompt + list(seq)])).logits[0].double()
-        total = 1.0
-        for i, tok in enumerate(seq):
-            p = torch.softmax(logits[len(prompt) - 1 + i] / temperature, -1).numpy()
-            if top_p < 1:
-                order = np.argsort(-p, kind="stable")
-                keep = np.zeros(V, bool)
-                mass = 0.0
-                for j in order:
-                    keep[j] = True
-                    mass += p[j]
-                    if mass >= top_p:
-                        break
-                p = np.where(keep, p, 0) / p[keep].sum()
-            total *= p[tok]
-        probs[seq] = total
-    return probs
+    seqs = list(itertools.product(range(V), repeat=n_out))
+    ids = torch.tensor([prompt + list(s) for s in seqs])
+    with torch.no_grad():
+        logits = hf_model(ids).logits.double().numpy()[:, len(prompt) - 1:-1]  # [N, n_out, V]
+    p = np.exp(logits / temperature - (logits / temperature).max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    if top_p < 1:
+        order = np.argsort(-p, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(p, order, -1)
+        above = np.cumsum(sorted_p, -1) - sorted_p
+        keep_sorted = above < top_p
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, -1)
+        p = np.where(keep, p, 0)
+        p /= p.sum(-1, keepdims=True)
+    toks = np.array(seqs)
+    per_tok = np.take_along_axis(p, toks[..., None], -1)[..., 0]
+    return dict(zip(seqs, per_tok.prod(-1)))
 
 
 def _sd_sample_counts(target, draft, prompt, temperature, top_p, n_samples, wrong_rule=None,

@@ -1,0 +1,175 @@
+"""SSD: greedy output equals AR; sampled output follows the target distribution (C = 1, C < 1,
+fast backup), with teeth; the tree decode and fork match brute-force references."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ssd_jax import LLM, EngineConfig, SamplingParams
+from ssd_jax.config import SpecConfig
+from ssd_jax.draft import build_cache
+from ssd_jax.loading import load
+from ssd_jax.models import causal_mask, commit
+from ssd_jax.runner import ModelRunner, RowSampling
+from ssd_jax.sd import SpecState
+from tests.conftest import make_hf_model
+from tests.test_sd import _chi2_pvalue, _exact_sequence_probs
+
+N_OUT = 4  # K=1: every row needs two or more rounds, so cache hits decide later tokens
+
+ENGINE = EngineConfig(max_batch=4, max_seq_len=256, prefill_bucket=16)
+PROMPTS = [[5, 9, 11], list(range(20, 39)), [7] * 8, [3, 1, 4, 1, 5, 9, 2, 6]]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama, tmp_path_factory):
+    """Target = tiny Llama; draft = the same weights with noise, so acceptance is partial but
+    high enough that the cache both hits and misses."""
+    import torch
+    path = tmp_path_factory.mktemp("noisy_draft")
+    hf = tiny_llama[1]
+    with torch.no_grad():
+        state = {k: v + 0.02 * torch.randn_like(v) if v.dim() > 1 else v
+                 for k, v in hf.state_dict().items()}
+    import transformers
+    draft_hf = transformers.LlamaForCausalLM(hf.config)
+    draft_hf.load_state_dict(state)
+    draft_hf.save_pretrained(path, safe_serialization=True)
+    return load(tiny_llama[0])[0], load(path)[0]
+
+
+@pytest.mark.parametrize("backup", ["neural", "fast"])
+@pytest.mark.parametrize("fanout", ["uniform", "geometric", "empirical"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_ssd_equals_ar(pair, backup, fanout, batch):
+    target, draft = pair
+    llm = LLM(target, draft=draft, spec=SpecConfig(k=3, fanout=fanout, backup=backup, budget=8),
+              engine=ENGINE)
+    p = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    ar = llm.generate(PROMPTS[:batch], p, mode="ar")
+    ssd = llm.generate(PROMPTS[:batch], p, mode="ssd")
+    assert [o.token_ids for o in ssd] == [o.token_ids for o in ar]
+    stats = ssd[0].metrics.ssd
+    assert 0 < stats.hits < stats.rounds  # the cache both hit and missed
+
+
+def test_self_draft_hits_after_first_round(pair):
+    target, _ = pair
+    llm = LLM(target, draft=target, spec=SpecConfig(k=3), engine=ENGINE)
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_new_tokens=25, ignore_eos=True),
+                       mode="ssd")[0]
+    s = out.metrics.ssd
+    assert s.rounds - s.hits == 1  # only the first round (no cache yet) misses
+    assert s.accept_hit[:3].sum() == 0
+
+
+# ---------------------------------------------------------------- distribution tests
+
+@pytest.fixture(scope="module")
+def vocab6(tmp_path_factory):
+    """Target over 6 tokens and a draft = target + noise: acceptance is partial, and the cache
+    both hits (bonus tokens, recoveries the draft foresaw) and misses."""
+    import torch
+    import transformers
+    tp, dp = tmp_path_factory.mktemp("t6s"), tmp_path_factory.mktemp("d6s")
+    kw = dict(vocab_size=6, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+              num_key_value_heads=1, num_hidden_layers=1, tie_word_embeddings=False,
+              bos_token_id=0, eos_token_id=0)
+    t = make_hf_model(tp, "llama", seed=3, **kw)
+    torch.manual_seed(5)
+    d = transformers.LlamaForCausalLM(t.config)
+    d.load_state_dict({k: v + 0.05 * torch.randn_like(v) if v.dim() > 1 else v
+                       for k, v in t.state_dict().items()})
+    d.save_pretrained(dp, safe_serialization=True)
+    return load(tp)[0], load(dp)[0], t
+
+
+def _ssd_counts(target, draft, spec, n_samples, temperature=1.0, top_p=1.0):
+    llm = LLM(target, draft=draft, spec=spec, engine=EngineConfig(
+        max_batch=64, max_seq_len=64, prefill_bucket=8, sync_every=4))
+    counts, hits, rounds = {}, 0, 0
+    for start in range(0, n_samples, 64):
+        outs = llm.generate([[1, 2, 3]] * 64, [SamplingParams(
+            temperature=temperature, top_p=top_p, max_new_tokens=N_OUT, seed=start + i,
+            ignore_eos=True) for i in range(64)], mode="ssd")
+        for o in outs:
+            counts[tuple(o.token_ids[:N_OUT])] = counts.get(tuple(o.token_ids[:N_OUT]), 0) + 1
+        hits += outs[0].metrics.ssd.hits
+        rounds += outs[0].metrics.ssd.rounds
+    return counts, (hits, rounds)
+
+
+@pytest.mark.parametrize("c, backup", [(1.0, "neural"), (0.4, "neural"), (1.0, "fast")])
+def test_sampled_ssd_matches_target_distribution(vocab6, c, backup):
+    target, draft, hf_target = vocab6
+    probs = _exact_sequence_probs(hf_target, [1, 2, 3], 1.0, 1.0, N_OUT)
+    counts, (hits, rounds) = _ssd_counts(target, draft,
+                                         SpecConfig(k=1, c=c, backup=backup, budget=4), 3200)
+    assert 0.1 * rounds < hits < rounds
+    assert _chi2_pvalue(counts, probs) > 1e-3
+
+
+def test_sampled_ssd_with_top_p(vocab6):
+    target, draft, hf_target = vocab6
+    probs = _exact_sequence_probs(hf_target, [1, 2, 3], 0.8, 0.9, N_OUT)
+    counts, _ = _ssd_counts(target, draft, SpecConfig(k=1, c=0.5, budget=4), 3200, 0.8, 0.9)
+    assert _chi2_pvalue(counts, probs) > 1e-3
+
+
+@pytest.mark.parametrize("backup", ["neural", "fast"])
+def test_ssd_distribution_test_has_teeth(vocab6, monkeypatch, backup):
+    """Recovery sampled from p instead of the residual (ratio rule) or instead of p without the
+    guess (point mass): the same test rejects it."""
+    import ssd_jax.verify as verify_mod
+    target, draft, hf_target = vocab6
+    monkeypatch.setattr(verify_mod, "_recovery_weights", lambda p_k, q_k, s_k, pm: p_k)
+    jax.clear_caches()
+    probs = _exact_sequence_probs(hf_target, [1, 2, 3], 1.0, 1.0, N_OUT)
+    counts, _ = _ssd_counts(target, draft, SpecConfig(k=1, backup=backup, budget=4), 3200)
+    jax.clear_caches()
+    assert _chi2_pvalue(counts, probs) < 1e-3
+
+
+# ---------------------------------------------------------------- tree decode and fork
+
+def test_tree_branches_equal_plain_decode(pair):
+    """Every branch's draft distributions equal a plain AR decode of prefix + glue[:j+1] +
+    fork token + the branch's own tokens; no branch forks on the excluded token; keys unique."""
+    _, draft = pair
+    runner = ModelRunner(draft)
+    K, M, B, S = 3, 8, 2, 64
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 128, size=(B, 9))
+    L = jnp.array([9, 9])
+    cache = runner.new_cache(B, S)
+    _, kv = runner.forward(jnp.asarray(prompt), jnp.broadcast_to(jnp.arange(9), (B, 9)), cache,
+                           jnp.zeros((B,), jnp.int32), causal_mask(B, 9))
+    cache = commit(cache, kv, jnp.zeros((B,), jnp.int32))
+    last = jnp.array([17, 42])
+    spec = jnp.asarray(rng.integers(0, 128, size=(B, K)), jnp.int32)
+    state = SpecState(prev=jnp.asarray(prompt[:, -1]), last=last, lengths=L,
+                      generated=jnp.ones(B, jnp.int32), done=jnp.zeros(B, bool))
+    sampling = RowSampling(jnp.ones(B), jnp.zeros(B, jnp.int32), jnp.ones(B),
+                           jax.vmap(jax.random.key)(jnp.arange(B, dtype=jnp.uint32)))
+    fan = jnp.array([[3, 2, 2, 1], [1, 1, 2, 4]], jnp.int32)
+    sc, _ = build_cache(runner.graphdef, runner.params, None, state, spec, cache, sampling, fan,
+                        jnp.float32(1.0), M, False)
+    for b in range(B):
+        keys = set()
+        for m in range(M):
+            j, x = int(sc.branch_j[b, m]), int(sc.fork_tok[b, m])
+            assert int(fan[b, j]) > 0
+            keys.add((j, x))
+            if j < K:
+                assert x != int(spec[b, j])
+            seq = list(prompt[b]) + [int(last[b])] + [int(s) for s in spec[b, :j]] + [x]
+            branch = [int(t) for t in sc.tokens[b, m]]
+            # plain decode: full forward over prefix + branch tokens, no cache tricks
+            full = np.array([seq + branch[:-1]])
+            T = full.shape[1]
+            logits, _ = runner.forward(jnp.asarray(full), jnp.arange(T)[None],
+                                       runner.new_cache(1, T), jnp.zeros((1,), jnp.int32),
+                                       causal_mask(1, T))
+            ref = jax.nn.softmax(logits[0, len(seq) - 1:], axis=-1)
+            np.testing.assert_allclose(np.asarray(sc.q[b, m]), np.asarray(ref), atol=2e-5)
+        assert len(keys) == M
