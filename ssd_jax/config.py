@@ -147,8 +147,15 @@ class EngineConfig:
     prefill_bucket: int = 64  # prompt lengths are padded up to a multiple of this
     sync_every: int = 8  # decode steps dispatched before the host reads tokens (EOS check)
     sync_phases: bool = False  # SD/SSD: block between draft and verify to time each phase
+    mesh: tuple[int, int] | None = None  # (target devices, draft devices); None: default device
+    driver: str = "auto"  # SSD: "single" (one process) | "processes" (draft in its own process)
 
     def __post_init__(self):
         for name in ("max_batch", "max_seq_len", "prefill_bucket", "sync_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: it must be >= 1")
+        if self.mesh is not None and (len(self.mesh) != 2 or min(self.mesh) < 1):
+            raise ValueError(f"mesh={self.mesh} is invalid: give (target devices, draft devices),"
+                             " each >= 1")
+        if self.driver not in ("auto", "single", "processes"):
+            raise ValueError(f"driver={self.driver!r}: use 'auto', 'single' or 'processes'")

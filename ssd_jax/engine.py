@@ -20,7 +20,8 @@ from ssd_jax.metrics import RunMetrics
 from ssd_jax.models.transformer import Transformer
 from ssd_jax.runner import ModelRunner
 from ssd_jax.sd import sd_loop
-from ssd_jax.ssd import ssd_loop
+from ssd_jax.sharding import split_devices
+from ssd_jax.ssd import Placement, ssd_loop
 
 Prompt = str | Sequence[int] | list[dict]  # text, token ids, or chat messages
 
@@ -60,7 +61,8 @@ class LLM:
             self.model, self.tokenizer, _ = load(model, dtype=dtype, cache_dir=cache_dir,
                                                  progress=True)
         self.engine, self.spec = engine, spec
-        self.runner = ModelRunner(self.model)
+        self.split = split_devices(*engine.mesh) if engine.mesh else None
+        self.runner = ModelRunner(self.model, self.split and self.split.target)
         self.config = self.model.config
         self.draft_runner, self.vocab = None, None
         if draft is not None:
@@ -76,7 +78,10 @@ class LLM:
                     f"draft vocabulary ({draft_vocab}) differs from the target's "
                     f"({self.config.vocab_size}): use a draft with the target's tokenizer (or a "
                     "draft checkpoint with a vocab map to the target's ids)")
-            self.draft_runner = ModelRunner(draft_model)
+            # SSD's draft lives on the draft mesh; SD (and AR) use the target mesh only.
+            self.draft_runner = ModelRunner(draft_model, self.split and self.split.draft)
+            self.sd_draft_runner = (self.draft_runner if self.split is None
+                                    else ModelRunner(draft_model, self.split.target))
         self.last_metrics: RunMetrics | None = None  # of the latest generate/stream call
 
     # ---------------------------------------------------------------- prompts and validation
@@ -151,15 +156,17 @@ class LLM:
         if mode == "ar":
             chunks = ar_loop(self.runner, batch, cache, metrics, self.engine.sync_every)
         elif mode == "sd":
-            draft_cache = self.draft_runner.new_cache(batch.size, seq_len)
-            chunks = sd_loop(self.runner, self.draft_runner, self.vocab, batch, cache,
+            draft_cache = self.sd_draft_runner.new_cache(batch.size, seq_len)
+            chunks = sd_loop(self.runner, self.sd_draft_runner, self.vocab, batch, cache,
                              draft_cache, self.spec.k, metrics, self.engine.sync_every)
         else:
             draft_cache = self.draft_runner.new_cache(batch.size, seq_len)
             backup = self.spec.backup if self.spec.backup != "auto" else "neural"
+            placement = Placement() if self.split is None else Placement(
+                self.split.target_replicated, self.split.draft_replicated)
             chunks = ssd_loop(self.runner, self.draft_runner, self.vocab, batch, cache,
                               draft_cache, self.spec, metrics, self.engine.sync_every,
-                              backup=backup)
+                              placement=placement, backup=backup)
         for chunk in chunks:
             yield chunk, metrics
 

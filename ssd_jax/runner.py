@@ -121,12 +121,17 @@ def decode_step(graphdef, params, state: DecodeState, cache: KVCache, sampling: 
 class ModelRunner:
     """Holds one model's split params and dispatches its jitted programs."""
 
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, mesh=None):
         self.config: ModelConfig = model.config
         self.graphdef, self.params = nnx.split(model)
+        self.mesh = mesh
+        if mesh is not None:  # tensor-parallel (or replicated) over this mesh
+            from ssd_jax.sharding import shard_params
+            self.params = shard_params(self.params, self.config, mesh)
 
     def new_cache(self, batch: int, seq_len: int) -> KVCache:
-        return KVCache.zeros(self.config, batch, seq_len)
+        from ssd_jax.sharding import new_cache
+        return new_cache(self.config, batch, seq_len, self.mesh)
 
     def prefill(self, tokens, prompt_len, cache, sampling, stop_ids, max_new):
         state, new_kv = prefill(self.graphdef, self.params, tokens, prompt_len, cache, sampling,
