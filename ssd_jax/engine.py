@@ -6,10 +6,12 @@ bucket); shapes are bucketed so repeated calls reuse compiled programs.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
+
+import jax
 
 from ssd_jax.ar import ar_loop
 from ssd_jax.batch import make_batch, round_up
@@ -55,6 +57,10 @@ class LLM:
                  tokenizer: Tokenizer | None = None, dtype: str = "float32",
                  spec: SpecConfig = SpecConfig(), engine: EngineConfig = EngineConfig(),
                  cache_dir: Path | None = None):
+        # Names/paths let worker processes load the same models (the "processes" driver).
+        self.paths = (None if isinstance(model, Transformer) else str(model),
+                      None if draft is None or isinstance(draft, Transformer) else str(draft))
+        self.dtype, self.pool = dtype, None
         if isinstance(model, Transformer):
             self.model, self.tokenizer = model, tokenizer
         else:
@@ -141,6 +147,51 @@ class LLM:
             raise ValueError(f"mode={mode!r} needs a draft model: LLM(target, draft=...)")
         return mode
 
+    def driver(self, mode: str) -> str:
+        """Where a run executes: "single" (this process) or "processes" (pinned workers)."""
+        d = self.engine.driver
+        if d == "auto":
+            # On CPU one process cannot run draft and target concurrently (XLA:CPU spreads
+            # each computation over all cores), so SSD uses two pinned processes there.
+            d = ("processes" if mode == "ssd" and jax.default_backend() == "cpu"
+                 and None not in self.paths and self.split is None else "single")
+        if d == "processes" and None in self.paths:
+            raise ValueError("driver='processes' needs the target and draft given by name or "
+                             "path (worker processes load them): pass strings, not models")
+        return d
+
+    def close(self) -> None:
+        """Stop worker processes, if any were started."""
+        if self.pool is not None:
+            self.pool.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _run_in_workers(self, ids, params, mode, seq_len):
+        from ssd_jax.pool import WorkerPool
+        if self.pool is None:
+            self.pool = WorkerPool(self.paths[0], self.paths[1], dtype=self.dtype)
+        request = dict(mode=mode, ids=ids, params=[asdict(p) for p in params],
+                       stops=[self._stop_ids(p) for p in params],
+                       prefill_bucket=self.engine.prefill_bucket, spec=asdict(self.spec),
+                       seq_len=seq_len, sync_every=self.engine.sync_every,
+                       backup=self.spec.backup if self.spec.backup != "auto" else "neural")
+        metrics = RunMetrics(mode=mode, batch=len(ids))
+        run = self.pool.run(request)
+        while True:
+            try:
+                chunk = next(run)
+            except StopIteration as stop:
+                # new_tokens is counted here, on the host that cuts rows at their stop.
+                metrics.__dict__.update({k: v for k, v in stop.value.__dict__.items()
+                                         if k != "new_tokens"})
+                return
+            yield chunk, metrics
+
     def _run(self, ids: list[list[int]], params: list[SamplingParams], mode: str
              ) -> Iterator[tuple[list[list[int]], RunMetrics]]:
         """Yields (new tokens per real row, metrics) chunk by chunk."""
@@ -150,6 +201,9 @@ class LLM:
         # Speculative modes write K+1 slots past the committed length each round.
         slack = self.spec.k + 2 if mode != "ar" else 1
         seq_len = round_up(max(need, batch.tokens.shape[1]) + slack, 256)
+        if self.driver(mode) == "processes":
+            yield from self._run_in_workers(ids, params, mode, seq_len)
+            return
         metrics = RunMetrics(mode=mode, batch=len(ids), sync_phases=self.engine.sync_phases,
                              k=self.spec.k if mode != "ar" else 0)
         cache = self.runner.new_cache(batch.size, seq_len)

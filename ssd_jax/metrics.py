@@ -1,7 +1,7 @@
 """Counters and timers every decode mode reports (prefill is timed apart from decode)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 
 
 @dataclass
@@ -51,11 +51,20 @@ class RunMetrics:
         return sum(k * c for k, c in enumerate(self.accept_hist)) / (rounds * self.k)
 
     def to_dict(self) -> dict:
-        d = asdict({**self.__dict__, "ssd": None} and self.__class__(
-            **{**self.__dict__, "ssd": None}))
+        d = asdict(replace(self, ssd=None))
         if self.ssd is not None:
             d["ssd"] = self.ssd.to_dict()
         d.update(decode_tokens=self.decode_tokens, decode_tok_s=self.decode_tok_s,
                  tpot_ms=self.tpot_ms, tokens_per_round=self.tokens_per_round,
                  acceptance=self.acceptance)
         return d
+
+
+def metrics_from_dict(d: dict) -> RunMetrics:
+    """Rebuild RunMetrics sent by a worker process (derived fields are recomputed)."""
+    names = {f.name for f in fields(RunMetrics)}
+    m = RunMetrics(**{k: v for k, v in d.items() if k in names and k != "ssd"})
+    if d.get("ssd") is not None:
+        from types import SimpleNamespace
+        m.ssd = SimpleNamespace(**d["ssd"], to_dict=lambda: d["ssd"])
+    return m

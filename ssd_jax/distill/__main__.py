@@ -1,0 +1,63 @@
+"""CLI: python -m ssd_jax.distill {data,train,measure} (see ssd_jax/distill/__init__.py)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ssd_jax.loading.registry import DEFAULT_CACHE, SHIPPED
+
+DATA_DIR = DEFAULT_CACHE / "distill"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ssd_jax.distill",
+                                 description="distil the SmolLM2 draft (offline, reproducible)")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("data", help="target responses + corpus, labelled with target top-k")
+    d.add_argument("--out", type=Path, default=DATA_DIR)
+    d.add_argument("--gen-batches", type=int, default=12)
+    d.add_argument("--batch", type=int, default=32)
+    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--corpus-chunks", type=int, default=128)
+    d.add_argument("--top-k", type=int, default=16)
+    d.add_argument("--seed", type=int, default=0)
+    t = sub.add_parser("train", help="KD training (resumable), then export the checkpoint")
+    t.add_argument("--data", type=Path, default=DATA_DIR / "dataset.npz")
+    t.add_argument("--work", type=Path, default=DATA_DIR / "train")
+    t.add_argument("--out", type=Path, default=SHIPPED["smollm2-draft"])
+    t.add_argument("--steps", type=int, default=3000)
+    t.add_argument("--minutes", type=float, default=0.0,
+                   help="stop early (and export) after this much wall time; 0 = no limit")
+    t.add_argument("--batch", type=int, default=16)
+    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--seed", type=int, default=0)
+    m = sub.add_parser("measure", help="acceptance and latency on held-out prompts")
+    m.add_argument("--draft", default="smollm2-draft")
+    m.add_argument("--max-new-tokens", type=int, default=128)
+    m.add_argument("-K", type=int, default=5)
+    m.add_argument("--json", type=Path, default=None, help="also write the report here")
+    args = ap.parse_args(argv)
+
+    if args.cmd == "data":
+        from ssd_jax.distill.data import DataConfig, build
+        cfg = DataConfig(seed=args.seed, gen_batches=args.gen_batches, batch=args.batch,
+                         max_new_tokens=args.max_new_tokens, corpus_chunks=args.corpus_chunks,
+                         top_k=args.top_k)
+        print(build(args.out, cfg))
+    elif args.cmd == "train":
+        from ssd_jax.distill.train import TrainConfig, run
+        cfg = TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
+                          max_minutes=args.minutes)
+        print(run(args.data, args.work, args.out, cfg))
+    else:
+        from ssd_jax.distill.measure import measure
+        import json
+        report = measure(args.draft, max_new_tokens=args.max_new_tokens, K=args.K)
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

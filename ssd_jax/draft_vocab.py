@@ -1,0 +1,126 @@
+"""A truncated draft vocabulary, and the draft model that speaks target ids.
+
+The draft's LM head is the largest matmul of a small model, so the draft predicts only the
+V_draft - 1 most frequent target tokens plus one reserved OOV slot (the last id) that absorbs
+every other token during training. Handed to verification, the draft's distribution must be a
+proper distribution over the *target* vocabulary: `target_logits` scatters the draft logits to
+their target ids and puts -inf everywhere else, the OOV slot included, so softmax gives zero
+probability outside the draft vocabulary and renormalises over the tokens the draft can name.
+Losslessness is untouched: verification only needs q(x) > 0 wherever the draft proposes x.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from ssd_jax.config import ModelConfig
+from ssd_jax.models.transformer import KVCache, Transformer
+
+
+@dataclass(frozen=True, eq=False)
+class VocabMap:
+    """to_draft: int32[V_target], target id -> draft id (`oov` for tokens outside the draft vocab).
+    to_target: int32[V_draft], draft id -> target id; to_target[oov] = -1 (names no target token).
+    """
+
+    to_draft: np.ndarray
+    to_target: np.ndarray
+
+    @classmethod
+    def from_target_ids(cls, target_ids, target_vocab_size: int) -> "VocabMap":
+        """Draft ids 0..n-1 are `target_ids` in the given order; draft id n is the OOV slot."""
+        ids = np.asarray(target_ids, np.int64)
+        if len(set(ids.tolist())) != len(ids):
+            raise ValueError("target_ids has duplicates: each target token may appear once")
+        if ids.size and not (0 <= ids.min() and ids.max() < target_vocab_size):
+            raise ValueError(f"target_ids must lie in [0, {target_vocab_size}): got "
+                             f"[{ids.min()}, {ids.max()}]")
+        oov = len(ids)
+        to_draft = np.full(target_vocab_size, oov, np.int32)
+        to_draft[ids] = np.arange(oov, dtype=np.int32)
+        return cls(to_draft, np.concatenate([ids, [-1]]).astype(np.int32))
+
+    @property
+    def oov(self) -> int:
+        return len(self.to_target) - 1
+
+    @property
+    def draft_size(self) -> int:
+        return len(self.to_target)
+
+    @property
+    def target_size(self) -> int:
+        return len(self.to_draft)
+
+    def draft_ids(self, target_ids: Int[Array, "*S"]) -> Int[Array, "*S"]:
+        return jnp.asarray(self.to_draft)[target_ids]
+
+    def target_logits(self, draft_logits: Float[Array, "*S Vd"]) -> Float[Array, "*S Vt"]:
+        return target_logits(draft_logits, jnp.asarray(self.to_draft), self.oov)
+
+    # JSON-friendly form, stored in the orbax checkpoint's `extra` (to_draft is derived).
+    def to_dict(self) -> dict:
+        return {"to_target": self.to_target[:-1].tolist(), "target_vocab_size": self.target_size}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "VocabMap":
+        return cls.from_target_ids(d["to_target"], int(d["target_vocab_size"]))
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, VocabMap) and np.array_equal(self.to_draft, other.to_draft)
+                and np.array_equal(self.to_target, other.to_target))
+
+
+def target_logits(draft_logits: Float[Array, "*S Vd"], to_draft: Int[Array, " Vt"],
+                  oov: int) -> Float[Array, "*S Vt"]:
+    """A gather (not a scatter: scatters are slow on XLA:CPU) of each target token's draft logit,
+    -inf for tokens outside the draft vocabulary."""
+    gathered = jnp.take(draft_logits, to_draft, axis=-1)
+    return jnp.where(to_draft != oov, gathered, -jnp.inf)
+
+
+class VocabTable(nnx.Variable):
+    """Non-trainable integer table carried in the model state (not an nnx.Param)."""
+
+
+class DraftModel(nnx.Module):
+    """A draft `Transformer` over a truncated vocabulary that looks like a target model.
+
+    Called exactly like `Transformer` — `model(tokens[B,T], positions[B,T], cache, prefix_len[B],
+    mask[B,T,T], logit_index=None) -> (logits, new KVCache)` — but `tokens` are *target* ids and
+    the logits are fp32 over the *target* vocabulary, -inf outside the draft vocabulary. Target ids
+    outside the draft vocabulary (e.g. a prompt token) enter as the OOV embedding. `config` is
+    the inner model's (its KV shapes are what engines need); `vocab_size` is the target's.
+    """
+
+    def __init__(self, model: Transformer, vocab: VocabMap):
+        if model.config.vocab_size != vocab.draft_size:
+            raise ValueError(f"draft model vocab_size={model.config.vocab_size} but the vocab map "
+                             f"has {vocab.draft_size} draft ids: they must agree")
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.to_draft = VocabTable(jnp.asarray(vocab.to_draft))
+        self.oov = vocab.oov
+        self.vocab_size = vocab.target_size
+
+    def __call__(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], cache: KVCache,
+                 prefix_len: Int[Array, " B"], mask: Bool[Array, "B T T"],
+                 logit_index: Int[Array, "B N"] | None = None
+                 ) -> tuple[Float[Array, "B N Vt"], KVCache]:
+        to_draft = self.to_draft[...]
+        logits, kv = self.model(to_draft[tokens], positions, cache, prefix_len, mask, logit_index)
+        return target_logits(logits, to_draft, self.oov), kv
+
+    @classmethod
+    def load(cls, name_or_path: str = "smollm2-draft", **kw) -> tuple["DraftModel", object]:
+        """(DraftModel, tokenizer) from a checkpoint whose `extra` holds the vocab map."""
+        from ssd_jax.loading import load
+        model, tokenizer, extra = load(name_or_path, **kw)
+        if "vocab_map" not in extra:
+            raise ValueError(f"{name_or_path!r} has no vocab_map in its extra metadata: it is not "
+                             "a draft checkpoint saved by `python -m ssd_jax.distill train`")
+        return cls(model, VocabMap.from_dict(extra["vocab_map"])), tokenizer

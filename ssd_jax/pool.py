@@ -1,0 +1,137 @@
+"""Start, feed and stop the two decode worker processes (target role, draft role).
+
+One `WorkerPool` per LLM: started on first use, stopped by `close()`, at interpreter exit, on
+errors and on Ctrl-C. Workers also die with this process (PR_SET_PDEATHSIG), so none is left
+behind. On a machine with at least two cores the target is pinned to core 0 and the draft to
+core 1: the target gets one core in every mode, SSD adds a second core for the draft, as the
+paper adds a GPU for it.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Listener
+
+from ssd_jax.metrics import metrics_from_dict
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+class WorkerPool:
+    def __init__(self, target: str, draft: str, *, dtype: str = "float32",
+                 cores: tuple[int, int] | None = None, start_timeout: float = 600.0):
+        self.target, self.draft, self.dtype = str(target), str(draft), dtype
+        n = os.cpu_count() or 1
+        self.cores = cores if cores is not None else ((0, 1) if n >= 2 else (None, None))
+        self.start_timeout = start_timeout
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.conns: dict = {}
+
+    def start(self) -> None:
+        if self.procs:
+            return
+        key = secrets.token_hex(16)
+        listener = Listener(("127.0.0.1", 0), authkey=key.encode())
+        address = "%s:%d" % listener.address
+        coordinator = f"127.0.0.1:{_free_port()}"
+        env = dict(os.environ, SSD_JAX_WORKER_KEY=key, JAX_PLATFORMS="cpu")
+        env.pop("XLA_FLAGS", None)  # one CPU device per worker process
+        print(f"[ssd_jax] starting target and draft worker processes (cores {self.cores}) ...",
+              file=sys.stderr, flush=True)
+        atexit.register(self.close)
+        try:
+            for role, core in zip(("target", "draft"), self.cores):
+                cmd = [sys.executable, "-m", "ssd_jax.worker", "--role", role, "--address",
+                       address, "--coordinator", coordinator, "--target", self.target,
+                       "--draft", self.draft, "--dtype", self.dtype]
+                if core is not None:
+                    cmd += ["--core", str(core)]
+                self.procs[role] = subprocess.Popen(cmd, env=env)
+            # multiprocessing's Listener has no accept timeout; bound it on its socket so a
+            # worker that dies before connecting cannot hang the caller.
+            sock = getattr(getattr(listener, "_listener", None), "_socket", None)
+            if sock is not None:
+                sock.settimeout(self.start_timeout)
+            pending = []
+            for _ in range(2):
+                pending.append(listener.accept())
+            deadline = time.monotonic() + self.start_timeout
+            for conn in pending:
+                if not conn.poll(max(deadline - time.monotonic(), 0)):
+                    raise WorkerError("worker processes did not become ready in "
+                                      f"{self.start_timeout:.0f}s")
+                kind, payload = conn.recv()
+                if kind != "ready":
+                    raise WorkerError(f"worker failed to start:\n{payload}")
+                self.conns[payload] = conn
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            listener.close()
+
+    def run(self, request: dict):
+        """Yields each chunk of new tokens; returns (via StopIteration.value) the metrics."""
+        self.start()
+        ssd = request["mode"] == "ssd"
+        try:
+            self.conns["target"].send(("run", request))
+            if ssd:
+                self.conns["draft"].send(("run", request))
+            while True:
+                kind, payload = self._recv("target")
+                if kind == "chunk":
+                    yield payload
+                    continue
+                metrics = metrics_from_dict(payload)
+                break
+            if ssd:
+                _, draft_stats = self._recv("draft")
+                if metrics.ssd is not None:
+                    metrics.ssd.build_s = draft_stats["build_s"]
+                    metrics.ssd.fanout = draft_stats["fanout"]
+            return metrics
+        except BaseException:
+            # A worker that failed mid-round leaves the other blocked in a collective: stop both.
+            self.close()
+            raise
+
+    def _recv(self, role: str):
+        conn = self.conns[role]
+        while not conn.poll(1.0):
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise WorkerError(f"the {name} worker exited with code {proc.returncode}")
+        kind, payload = conn.recv()
+        if kind == "error":
+            raise WorkerError(f"the {role} worker failed:\n{payload}")
+        return kind, payload
+
+    def close(self) -> None:
+        for conn in self.conns.values():
+            try:
+                conn.send(("stop", None))
+                conn.close()
+            except OSError:
+                pass
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+        self.conns.clear()

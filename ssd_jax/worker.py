@@ -1,0 +1,126 @@
+"""A decode worker process: the target role (AR, SD and SSD's target side) or the draft role
+(SSD's draft side). Started and stopped by `ssd_jax.pool.WorkerPool`, never by hand:
+
+    python -m ssd_jax.worker --role target|draft --address HOST:PORT --coordinator HOST:PORT
+                             --target MODEL --draft MODEL [--core N] [--dtype float32]
+
+The process pins itself to one core before JAX starts (XLA:CPU would otherwise spread every
+computation over all cores and the two roles would fight for them), asks the kernel to kill it
+when its parent dies (no orphans), joins `jax.distributed`, loads its models, then serves
+requests from the parent over an authenticated local connection.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import sys
+import traceback
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: the parent's atexit/terminate still cleans up
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ssd_jax.worker")
+    ap.add_argument("--role", choices=["target", "draft"], required=True)
+    ap.add_argument("--address", required=True)
+    ap.add_argument("--coordinator", required=True)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--core", type=int, default=None)
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args(argv)
+    _die_with_parent()
+    if args.core is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {args.core})
+    from multiprocessing.connection import Client
+    host, port = args.address.rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=os.environ["SSD_JAX_WORKER_KEY"].encode())
+    try:
+        import jax
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        role_id = 0 if args.role == "target" else 1
+        jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=2,
+                                   process_id=role_id, initialization_timeout=120)
+        server = _Server(args, conn)
+        conn.send(("ready", args.role))
+        server.serve()
+    except (EOFError, KeyboardInterrupt):
+        return 0
+    except Exception:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+        return 1
+    return 0
+
+
+class _Server:
+    def __init__(self, args, conn):
+        from ssd_jax.engine import vocab_from_extra
+        from ssd_jax.loading import load
+        from ssd_jax.multihost import Exchange
+        from ssd_jax.runner import ModelRunner
+        self.role, self.conn = args.role, conn
+        draft, _, extra = load(args.draft, dtype=args.dtype)
+        self.vocab = vocab_from_extra(extra)
+        self.draft = ModelRunner(draft)
+        self.target = None
+        if self.role == "target":
+            self.target = ModelRunner(load(args.target, dtype=args.dtype)[0])
+        self.vocab_size = (self.target.config.vocab_size if self.target is not None else
+                           (self.vocab.target_vocab_size if self.vocab is not None
+                            else draft.config.vocab_size))
+        self.exchange = Exchange()
+
+    def serve(self):
+        while True:
+            msg = self.conn.recv()
+            if msg[0] == "stop":
+                return
+            self.conn.send(self.run(msg[1]))
+
+    def run(self, req: dict):
+        from ssd_jax.ar import ar_loop
+        from ssd_jax.batch import make_batch
+        from ssd_jax.config import SamplingParams, SpecConfig
+        from ssd_jax.metrics import RunMetrics
+        from ssd_jax.multihost import draft_loop, target_loop
+        from ssd_jax.sd import sd_loop
+        params = [SamplingParams(**p) for p in req["params"]]
+        batch = make_batch(req["ids"], params, req["stops"], req["prefill_bucket"])
+        spec = SpecConfig(**req["spec"])
+        mode, seq_len, sync_every = req["mode"], req["seq_len"], req["sync_every"]
+        if self.role == "draft":
+            stats = draft_loop(self.draft, self.vocab, batch,
+                               self.draft.new_cache(batch.size, seq_len), spec, sync_every,
+                               self.exchange, self.vocab_size, req["backup"])
+            return ("done", stats)
+        metrics = RunMetrics(mode=mode, batch=batch.n, k=spec.k if mode != "ar" else 0,
+                             sync_phases=True)
+        cache = self.target.new_cache(batch.size, seq_len)
+        if mode == "ar":
+            chunks = ar_loop(self.target, batch, cache, metrics, sync_every)
+        elif mode == "sd":
+            chunks = sd_loop(self.target, self.draft, self.vocab, batch, cache,
+                             self.draft.new_cache(batch.size, seq_len), spec.k, metrics,
+                             sync_every)
+        else:
+            chunks = target_loop(self.target, batch, cache, spec, metrics, sync_every,
+                                 self.exchange, self.vocab_size)
+        for chunk in chunks:
+            self.conn.send(("chunk", chunk))
+        return ("done", metrics.to_dict())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

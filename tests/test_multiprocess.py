@@ -1,0 +1,73 @@
+"""The multi-controller driver: target and draft in two processes under jax.distributed on
+localhost, exchanging through a jitted collective, give AR's greedy output; workers never
+outlive the LLM, also when one fails."""
+import os
+
+import pytest
+import torch
+import transformers
+
+from ssd_jax import LLM, EngineConfig, SamplingParams
+from ssd_jax.config import SpecConfig
+from ssd_jax.pool import WorkerError
+
+PROMPTS = [[5, 9, 11], list(range(20, 39)), [7] * 8]
+
+
+@pytest.fixture(scope="module")
+def paths(tiny_llama, tmp_path_factory):
+    path = tmp_path_factory.mktemp("mp_draft")
+    hf = tiny_llama[1]
+    torch.manual_seed(1)
+    d = transformers.LlamaForCausalLM(hf.config)
+    d.load_state_dict({k: v + 0.02 * torch.randn_like(v) if v.dim() > 1 else v
+                       for k, v in hf.state_dict().items()})
+    d.save_pretrained(path, safe_serialization=True)
+    return str(tiny_llama[0]), str(path)
+
+
+def _alive(pids):
+    out = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            out.append(pid)
+        except ProcessLookupError:
+            pass
+    return out
+
+
+def test_two_process_ssd_equals_ar(paths):
+    target, draft = paths
+    llm = LLM(target, draft=draft, spec=SpecConfig(k=3, budget=8),
+              engine=EngineConfig(max_batch=4, max_seq_len=256, prefill_bucket=16,
+                                  driver="processes"))
+    with llm:
+        p = SamplingParams(max_new_tokens=20, ignore_eos=True)
+        want = [o.token_ids for o in llm.generate(PROMPTS, p, mode="ar", chat=False)]
+        out = llm.generate(PROMPTS, p, mode="ssd")
+        assert [o.token_ids for o in out] == want
+        m = out[0].metrics
+        assert m.ssd.hit_rate > 0 and m.decode_tok_s > 0
+        pids = [proc.pid for proc in llm.pool.procs.values()]
+        assert len(_alive(pids)) == 2
+    assert _alive(pids) == []
+
+
+def test_worker_failure_is_reported_and_cleaned_up(paths, tmp_path):
+    bad = tmp_path / "missing"
+    llm = LLM(paths[0], draft=paths[1], spec=SpecConfig(k=2),
+              engine=EngineConfig(max_batch=2, max_seq_len=128, prefill_bucket=16,
+                                  driver="processes"))
+    llm.paths = (paths[0], str(bad))  # the workers will fail to load the draft
+    with pytest.raises(WorkerError, match="not found"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4), mode="ssd")
+    assert llm.pool.procs == {}
+
+
+def test_processes_driver_needs_paths(tiny_llama):
+    from ssd_jax.loading import load
+    model = load(tiny_llama[0])[0]
+    llm = LLM(model, draft=model, engine=EngineConfig(driver="processes", prefill_bucket=16))
+    with pytest.raises(ValueError, match="needs the target and draft given by name or path"):
+        llm.generate([[1, 2]], SamplingParams(max_new_tokens=2), mode="ssd")
