@@ -1,20 +1,28 @@
 """The main job: answer a chat prompt with the embedded default model pair, streaming.
 
-    python -m ssd_jax "What is the capital of France?" [--mode ar] [--max-new-tokens 128]
+    python -m ssd_jax "What is the capital of France?" [--mode ssd|sd|ar] [--max-new-tokens 128]
+
+SSD on CPU runs the target and the draft in two worker processes pinned to different cores
+(started and stopped here); AR and SD run in the same pinned target worker, so the modes compare
+fairly.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from ssd_jax import LLM, SamplingParams
+from ssd_jax import LLM, EngineConfig, SamplingParams
+from ssd_jax.config import SpecConfig
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ssd_jax", description=__doc__.split("\n")[0])
     ap.add_argument("prompt", nargs="?", default="What is the capital of France?")
     ap.add_argument("--model", default="smollm2", help="target: name, .gguf, HF dir or orbax dir")
-    ap.add_argument("--mode", default="ar", choices=["ar"])
+    ap.add_argument("--draft", default="smollm2-draft", help="draft: name, HF dir or orbax dir")
+    ap.add_argument("--mode", default="ssd", choices=["ar", "sd", "ssd"])
+    ap.add_argument("--k", type=int, default=None, help="lookahead (default: SpecConfig's)")
+    ap.add_argument("--driver", default="auto", choices=["auto", "single", "processes"])
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -23,19 +31,26 @@ def main(argv=None) -> int:
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_p=args.top_p, seed=args.seed)
-        llm = LLM(args.model)
+        spec = SpecConfig() if args.k is None else SpecConfig(k=args.k)
+        llm = LLM(args.model, draft=None if args.mode == "ar" else args.draft, spec=spec,
+                  engine=EngineConfig(driver=args.driver))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    compile_s = llm.warmup(args.prompt, params)
-    print(f"> {args.prompt}", flush=True)
-    for piece in llm.stream(args.prompt, params):
-        print(piece, end="", flush=True)
-    print()
-    m = llm.last_metrics
-    print(f"[{args.mode}] {m.new_tokens} tokens, TTFT {1e3 * m.ttft_s:.0f} ms, decode "
-          f"{m.decode_tok_s:.1f} tok/s (compilation before the run: {compile_s:.1f}s)",
-          file=sys.stderr)
+    with llm:
+        compile_s = llm.warmup(args.prompt, params, mode=args.mode)
+        print(f"> {args.prompt}", flush=True)
+        for piece in llm.stream(args.prompt, params, mode=args.mode):
+            print(piece, end="", flush=True)
+        print()
+        m = llm.last_metrics
+        line = (f"[{args.mode}] {m.new_tokens} tokens, TTFT {1e3 * m.ttft_s:.0f} ms, decode "
+                f"{m.decode_tok_s:.1f} tok/s")
+        if args.mode != "ar":
+            line += f", {m.tokens_per_round:.2f} tokens/round"
+        if m.ssd is not None:
+            line += f", cache hit rate {m.ssd.hit_rate:.2f}"
+        print(f"{line} (compilation before the run: {compile_s:.1f}s)", file=sys.stderr)
     return 0
 
 

@@ -107,7 +107,7 @@ def tree_mask(branch_j: Int[Array, "B M"], k: int, step: int) -> Bool[Array, "B 
     return jnp.concatenate([glue, jnp.broadcast_to(own, (B, M, M * (step + 1)))], axis=-1)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "budget", "greedy_only"))
+@partial(jax.jit, static_argnames=("graphdef", "vocab", "budget", "greedy_only"))
 def build_cache(graphdef, params, vocab, state: SpecState, spec: Int[Array, "B K"],
                 cache: KVCache, sampling: RowSampling, fan: Int[Array, "B K1"], c,
                 budget: int, greedy_only: bool) -> tuple[SpecCache, KVCache]:
@@ -168,7 +168,8 @@ def neural_backup(model, vocab, state: SpecState, cache: KVCache, sampling: RowS
     return jnp.stack(toks, 1), (None if greedy_only else jnp.stack(qs, 1))
 
 
-@partial(jax.jit, static_argnames=("graphdef", "backup", "greedy_only", "k", "fmax"))
+@partial(jax.jit,
+         static_argnames=("graphdef", "vocab", "backup", "greedy_only", "k", "fmax"))
 def select(graphdef, params, vocab, state: SpecState, spec_cache: SpecCache,
            n: Int[Array, " B"], t: Int[Array, " B"], history: Int[Array, "B S"],
            cache: KVCache, sampling: RowSampling, fan: Int[Array, "B K1"], c, backup: str,

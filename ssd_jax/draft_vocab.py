@@ -70,6 +70,11 @@ class VocabMap:
     def from_dict(cls, d: dict) -> "VocabMap":
         return cls.from_target_ids(d["to_target"], int(d["target_vocab_size"]))
 
+    def __hash__(self) -> int:
+        # Hashable so jitted programs can take the map as a static argument (its index arrays
+        # become compile-time constants); consistent with __eq__.
+        return hash((self.to_target.tobytes(), len(self.to_draft)))
+
     def __eq__(self, other) -> bool:
         return (isinstance(other, VocabMap) and np.array_equal(self.to_draft, other.to_draft)
                 and np.array_equal(self.to_target, other.to_target))

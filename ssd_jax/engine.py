@@ -42,7 +42,7 @@ def vocab_from_extra(extra: dict):
     if not extra.get("vocab_map"):
         return None
     from ssd_jax.draft_vocab import VocabMap
-    return VocabMap.from_extra(extra)
+    return VocabMap.from_dict(extra["vocab_map"])
 
 
 class LLM:
@@ -78,7 +78,7 @@ class LLM:
                 draft_model, _, extra = load(draft, dtype=dtype, cache_dir=cache_dir)
             self.vocab = vocab_from_extra(extra)
             draft_vocab = (draft_model.config.vocab_size if self.vocab is None
-                           else self.vocab.target_vocab_size)
+                           else self.vocab.target_size)
             if draft_vocab != self.config.vocab_size:
                 raise ValueError(
                     f"draft vocabulary ({draft_vocab}) differs from the target's "

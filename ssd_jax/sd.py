@@ -73,7 +73,8 @@ def propose(logits: Float[Array, "B V"], sampling: RowSampling, positions: Int[A
     return tok, q
 
 
-@partial(jax.jit, static_argnames=("graphdef", "greedy_only"))
+# `vocab` (a draft_vocab.VocabMap or None) is static: its index arrays become constants.
+@partial(jax.jit, static_argnames=("graphdef", "vocab", "greedy_only"))
 def draft_first(graphdef, params, vocab, state: SpecState, cache: KVCache,
                 sampling: RowSampling, greedy_only: bool):
     B = state.last.shape[0]
@@ -86,7 +87,7 @@ def draft_first(graphdef, params, vocab, state: SpecState, cache: KVCache,
     return tok, q, kv
 
 
-@partial(jax.jit, static_argnames=("graphdef", "greedy_only"))
+@partial(jax.jit, static_argnames=("graphdef", "vocab", "greedy_only"))
 def draft_next(graphdef, params, vocab, tok: Int[Array, " B"], pos: Int[Array, " B"],
                cache: KVCache, sampling: RowSampling, greedy_only: bool):
     B = tok.shape[0]

@@ -67,9 +67,17 @@ class SSDStats:
     build_s: float = 0.0
     select_s: float = 0.0
 
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / max(self.rounds, 1)
+
+    @property
+    def all_hit_rate(self) -> float:
+        return self.all_hit_rounds / max(self.batch_rounds, 1)
+
     def to_dict(self) -> dict:
-        return dict(hit_rate=self.hits / max(self.rounds, 1),
-                    all_hit_rate=self.all_hit_rounds / max(self.batch_rounds, 1),
+        return dict(hit_rate=self.hit_rate, all_hit_rate=self.all_hit_rate,
+                    rounds=self.rounds, hits=self.hits,
                     accept_hist_hit=self.accept_hit.tolist(),
                     accept_hist_miss=self.accept_miss.tolist(),
                     build_s=self.build_s, select_s=self.select_s)

@@ -78,7 +78,7 @@ class _Server:
         if self.role == "target":
             self.target = ModelRunner(load(args.target, dtype=args.dtype)[0])
         self.vocab_size = (self.target.config.vocab_size if self.target is not None else
-                           (self.vocab.target_vocab_size if self.vocab is not None
+                           (self.vocab.target_size if self.vocab is not None
                             else draft.config.vocab_size))
         self.exchange = Exchange()
 

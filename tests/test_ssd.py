@@ -173,3 +173,28 @@ def test_tree_branches_equal_plain_decode(pair):
             ref = jax.nn.softmax(logits[0, len(seq) - 1:], axis=-1)
             np.testing.assert_allclose(np.asarray(sc.q[b, m]), np.asarray(ref), atol=2e-5)
         assert len(keys) == M
+
+
+def test_truncated_vocab_draft_is_lossless(pair, tmp_path):
+    """A draft over 100 of the target's 128 tokens (draft_vocab.VocabMap, saved in the orbax
+    checkpoint): SD and SSD still reproduce AR exactly, and sampled runs complete."""
+    from flax import nnx
+    from ssd_jax.config import ModelConfig
+    from ssd_jax.draft_vocab import VocabMap
+    from ssd_jax.loading.orbax_ckpt import save
+    from ssd_jax.models.transformer import Transformer
+    target, _ = pair
+    vm = VocabMap.from_target_ids(np.random.default_rng(0).permutation(128)[:100], 128)
+    cfg = ModelConfig(vocab_size=vm.draft_size, hidden_size=32, intermediate_size=64,
+                      num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
+    save(Transformer(cfg, rngs=nnx.Rngs(0)), None, tmp_path / "d", extra={"vocab_map": vm.to_dict()})
+    llm = LLM(target, draft=str(tmp_path / "d"), spec=SpecConfig(k=3, budget=8),
+              engine=EngineConfig(max_batch=4, max_seq_len=128, prefill_bucket=16,
+                                  driver="single"))
+    p = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    want = [o.token_ids for o in llm.generate(PROMPTS[:2], p, mode="ar")]
+    for mode in ("sd", "ssd"):
+        assert [o.token_ids for o in llm.generate(PROMPTS[:2], p, mode=mode)] == want
+    ps = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=1.0)
+    for mode in ("sd", "ssd"):
+        assert all(len(o.token_ids) == 16 for o in llm.generate(PROMPTS[:2], ps, mode=mode))
