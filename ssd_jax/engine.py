@@ -179,7 +179,7 @@ class LLM:
                        stops=[self._stop_ids(p) for p in params],
                        prefill_bucket=self.engine.prefill_bucket, spec=asdict(self.spec),
                        seq_len=seq_len, sync_every=self.engine.sync_every,
-                       backup=self.spec.backup if self.spec.backup != "auto" else "neural")
+                       backup=self.spec.backup)
         metrics = RunMetrics(mode=mode, batch=len(ids))
         run = self.pool.run(request)
         while True:
@@ -215,7 +215,7 @@ class LLM:
                              draft_cache, self.spec.k, metrics, self.engine.sync_every)
         else:
             draft_cache = self.draft_runner.new_cache(batch.size, seq_len)
-            backup = self.spec.backup if self.spec.backup != "auto" else "neural"
+            backup = self.spec.backup
             placement = Placement() if self.split is None else Placement(
                 self.split.target_replicated, self.split.draft_replicated)
             chunks = ssd_loop(self.runner, self.draft_runner, self.vocab, batch, cache,

@@ -29,7 +29,8 @@ from ssd_jax.metrics import RunMetrics
 from ssd_jax.models.transformer import KVCache, commit
 from ssd_jax.runner import ModelRunner, _is_stop
 from ssd_jax.sd import SpecState, draft_in, verify_round
-from ssd_jax.ssd import SSDStats, _record_emitted, advance_jit
+from ssd_jax.speed import BackupChooser
+from ssd_jax.ssd import SSDStats, _mean_tokens, _record_emitted, advance_jit
 
 TARGET, DRAFT = 0, 1
 
@@ -174,6 +175,11 @@ def draft_loop(draft: ModelRunner, vocab, batch: Batch, cache: KVCache, spec: Sp
         if not greedy:
             ex.swap(q.reshape(-1).astype(jnp.float32))
 
+    chooser = BackupChooser() if backup == "auto" else None
+    if chooser is not None:
+        backup = chooser.choose(batch.n)
+    hits = rounds_seen = 0
+    tokens_on_hit = np.zeros(K + 1)
     primary, fast_list = lists()
     spec_cache = empty_cache(B, M, K, None if greedy else vocab_size)
     none = jnp.full((B,), -1, jnp.int32)
@@ -181,6 +187,7 @@ def draft_loop(draft: ModelRunner, vocab, batch: Batch, cache: KVCache, spec: Sp
                                    none, history, cache, batch.sampling, primary, c, backup,
                                    greedy, K, fmax)
     send(tokens, q, pm, hit)
+    was_hit = hit
     build_s = 0.0
     while not np.asarray(state.done)[:batch.n].all():
         rounds = []
@@ -198,13 +205,20 @@ def draft_loop(draft: ModelRunner, vocab, batch: Batch, cache: KVCache, spec: Sp
             tokens, q, pm, hit, rank = select(
                 draft.graphdef, draft.params, vocab, new_state, spec_cache, n, t, history, cache,
                 batch.sampling, primary, c, backup, greedy, K, fmax)
+            rounds.append((n, rank, state.done, was_hit))
+            was_hit = hit
             send(tokens, q, pm, hit)
-            rounds.append((n, rank, state.done))
             state = new_state
-        for n, rank, done in rounds:
+        for n, rank, done, h in rounds:
             live = ~np.asarray(done)[:batch.n]
-            fan_model.observe(np.asarray(n)[:batch.n][live], np.asarray(rank)[:batch.n][live])
+            n, h = np.asarray(n)[:batch.n][live], np.asarray(h)[:batch.n][live]
+            fan_model.observe(n, np.asarray(rank)[:batch.n][live])
+            hits, rounds_seen = hits + int(h.sum()), rounds_seen + int(live.sum())
+            np.add.at(tokens_on_hit, n[h], 1)
         if spec.fanout != "uniform":
             primary, fast_list = lists()
+        if chooser is not None:
+            chooser.observe(hits, rounds_seen, _mean_tokens(tokens_on_hit))
+            backup = chooser.choose(batch.n)
     return {"build_s": build_s, "fanout": fan_model.primary().tolist(), "a": fan_model.a,
-            "r": fan_model.r}
+            "r": fan_model.r, "backup": backup}

@@ -103,6 +103,7 @@ class WorkerPool:
                 if metrics.ssd is not None:
                     metrics.ssd.build_s = draft_stats["build_s"]
                     metrics.ssd.fanout = draft_stats["fanout"]
+                    metrics.ssd.backup = draft_stats["backup"]
             return metrics
         except BaseException:
             # A worker that failed mid-round leaves the other blocked in a collective: stop both.

@@ -30,8 +30,13 @@ from ssd_jax.metrics import RunMetrics
 from ssd_jax.models.transformer import KVCache, commit
 from ssd_jax.runner import ModelRunner
 from ssd_jax.sd import advance, spec_prefill, verify_round
+from ssd_jax.speed import BackupChooser
 
 advance_jit = jax.jit(advance)
+
+
+def _mean_tokens(hist: np.ndarray) -> float | None:
+    return float((hist * (np.arange(len(hist)) + 1)).sum() / hist.sum()) if hist.sum() else None
 
 
 @jax.jit
@@ -66,6 +71,7 @@ class SSDStats:
     accept_miss: np.ndarray = None
     build_s: float = 0.0
     select_s: float = 0.0
+    backup: str = "neural"  # the backup in use (backup="auto" re-decides every chunk)
 
     @property
     def hit_rate(self) -> float:
@@ -80,7 +86,7 @@ class SSDStats:
                     rounds=self.rounds, hits=self.hits,
                     accept_hist_hit=self.accept_hit.tolist(),
                     accept_hist_miss=self.accept_miss.tolist(),
-                    build_s=self.build_s, select_s=self.select_s)
+                    build_s=self.build_s, select_s=self.select_s, backup=self.backup)
 
 
 def ssd_loop(target: ModelRunner, draft: ModelRunner, vocab, batch: Batch,
@@ -118,6 +124,10 @@ def ssd_loop(target: ModelRunner, draft: ModelRunner, vocab, batch: Batch,
         fast = np.tile(fan_model.after_fast_backup(), (B, 1)).astype(np.int32)
         return placement.to_draft((jnp.asarray(prim), jnp.asarray(fast)))
 
+    chooser = BackupChooser() if backup == "auto" else None
+    if chooser is not None:
+        backup = chooser.choose(batch.n)
+    stats.backup = backup
     primary, fast_list = lists()
     cache_d = placement.to_draft(empty_cache(B, M, K, None if greedy else V))
     none = placement.to_draft(jnp.full((B,), -1, jnp.int32))
@@ -183,6 +193,12 @@ def ssd_loop(target: ModelRunner, draft: ModelRunner, vocab, batch: Batch,
         metrics.decode_s = time.perf_counter() - t1
         if spec.fanout != "uniform":
             primary, fast_list = lists()
+        if chooser is not None:  # re-decide with this run's constants (speed.py)
+            t_v = metrics.verify_s / max(metrics.decode_steps, 1)
+            chooser.observe(stats.hits, stats.rounds,
+                            _mean_tokens(stats.accept_hit),
+                            stats.build_s / metrics.decode_steps / t_v if sync and t_v else None)
+            backup = stats.backup = chooser.choose(batch.n)
         yield [[int(x) for x in row.reshape(-1) if x >= 0] for row in outs]
         if np.asarray(state_t.done)[:batch.n].all():
             return

@@ -198,3 +198,13 @@ def test_truncated_vocab_draft_is_lossless(pair, tmp_path):
     ps = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=1.0)
     for mode in ("sd", "ssd"):
         assert all(len(o.token_ids) == 16 for o in llm.generate(PROMPTS[:2], ps, mode=mode))
+
+
+def test_auto_backup_is_lossless_and_reports_choice(pair):
+    target, draft = pair
+    llm = LLM(target, draft=draft, spec=SpecConfig(k=3, backup="auto", budget=8), engine=ENGINE)
+    p = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    want = [o.token_ids for o in llm.generate(PROMPTS, p, mode="ar")]
+    out = llm.generate(PROMPTS, p, mode="ssd")
+    assert [o.token_ids for o in out] == want
+    assert out[0].metrics.ssd.backup in ("neural", "fast")
