@@ -65,6 +65,15 @@ def metrics_from_dict(d: dict) -> RunMetrics:
     names = {f.name for f in fields(RunMetrics)}
     m = RunMetrics(**{k: v for k, v in d.items() if k in names and k != "ssd"})
     if d.get("ssd") is not None:
-        from types import SimpleNamespace
-        m.ssd = SimpleNamespace(**d["ssd"], to_dict=lambda: d["ssd"])
+        m.ssd = _Stats(**d["ssd"])
     return m
+
+
+class _Stats:
+    """SSD statistics received from a worker: attributes, plus to_dict() of their current values."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)

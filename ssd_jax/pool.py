@@ -105,10 +105,24 @@ class WorkerPool:
                     metrics.ssd.fanout = draft_stats["fanout"]
                     metrics.ssd.backup = draft_stats["backup"]
             return metrics
+        except GeneratorExit:
+            # The caller stopped reading early (warmup, a closed stream): the workers still
+            # finish the request, so drain their messages to keep the pool usable.
+            self._drain(ssd)
+            raise
         except BaseException:
             # A worker that failed mid-round leaves the other blocked in a collective: stop both.
             self.close()
             raise
+
+    def _drain(self, ssd: bool) -> None:
+        try:
+            while self._recv("target")[0] == "chunk":
+                pass
+            if ssd:
+                self._recv("draft")
+        except BaseException:
+            self.close()
 
     def _recv(self, role: str):
         conn = self.conns[role]

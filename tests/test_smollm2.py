@@ -68,3 +68,24 @@ def test_chat_answer_is_coherent(smollm2):
     out = smollm2.generate("What is the capital of France?", SamplingParams(max_new_tokens=24))[0]
     assert "Paris" in out.text
     assert out.finish_reason == "stop"
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair(smollm2):
+    from ssd_jax import LLM, EngineConfig
+    from ssd_jax.config import SpecConfig
+    return LLM(smollm2.model, tokenizer=smollm2.tokenizer, draft="smollm2-draft",
+               spec=SpecConfig(k=4), engine=EngineConfig(max_batch=2, driver="single"))
+
+
+def test_sd_and_ssd_equal_ar_on_smollm2_with_shipped_draft(smollm2_pair):
+    """The embedded default pair, greedy, 64 tokens, two prompts of different lengths."""
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    p = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    want = [o.token_ids for o in smollm2_pair.generate(prompts, p, mode="ar")]
+    sd = smollm2_pair.generate(prompts, p, mode="sd")
+    assert [o.token_ids for o in sd] == want
+    assert sd[0].metrics.acceptance > 0.3  # the draft is doing real work
+    ssd = smollm2_pair.generate(prompts, p, mode="ssd")
+    assert [o.token_ids for o in ssd] == want
+    assert ssd[0].metrics.ssd.hit_rate > 0.3

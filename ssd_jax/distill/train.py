@@ -37,7 +37,7 @@ class TrainConfig:
     steps: int = 3000
     batch: int = 16
     lr: float = 2e-3
-    warmup: int = 100
+    warmup: int = 40
     weight_decay: float = 0.05
     ce_weight: float = 0.5
     seed: int = 0

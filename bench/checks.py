@@ -1,0 +1,97 @@
+"""Flag checks of the bench CLI: every bad value becomes one line that names the value and the
+fix (BenchError, exit code 2); device split and engine settings for the ssd_jax engine."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from bench.measure import Point
+from bench.suites import SUITES
+
+
+class BenchError(Exception):
+    """A bad flag or set-up problem: printed as one line (with the fix), exit code 2."""
+
+
+def validate(args) -> tuple[list[str], list[Point]]:
+    suites = SUITES if args.suite == "all" else tuple(s.strip() for s in args.suite.split(","))
+    for s in suites:
+        if s not in SUITES:
+            raise BenchError(f"unknown suite {s!r}: use one of {', '.join(SUITES)} or all")
+    for flag, v in (("--batch", args.batch), ("--num-prompts", args.num_prompts),
+                    ("--output-len", args.output_len), ("--calib-prompts", args.calib_prompts),
+                    ("--prefill-bucket", args.prefill_bucket), ("--sync-every", args.sync_every),
+                    *[("--sweep-batch", b) for b in args.sweep_batch]):
+        if v < 1:
+            raise BenchError(f"{flag} {v} is invalid: it must be >= 1")
+    for k in [args.k, *args.sweep_k]:
+        if k < 1:
+            raise BenchError(f"K={k} is invalid: lookahead must be >= 1 (--k / --sweep-k)")
+    for k, m in [(args.k, b) for b in [args.budget, *args.sweep_budget]] + \
+                [(k, args.budget) for k in args.sweep_k]:
+        if m and m < k + 1:
+            raise BenchError(f"budget {m} is smaller than K+1={k + 1}: every accept length needs "
+                             f"a branch; use --budget >= {k + 1} (or 0 for 2(K+1)) or a lower K")
+    for t in [args.temperature, *args.sweep_temperature]:
+        if t < 0:
+            raise BenchError(f"temperature {t} is invalid: use 0 (greedy) or a value > 0")
+    if not 0 < args.top_p <= 1:
+        raise BenchError(f"--top-p {args.top_p} is invalid: it must lie in (0, 1]")
+    if not 0 < args.c <= 1:
+        raise BenchError(f"--c {args.c} is invalid: Saguaro's C must lie in (0, 1]")
+    base = Point(k=args.k, budget=args.budget, fanout=args.fanout, c=args.c,
+                 backup=args.backup, temperature=args.temperature, top_p=args.top_p,
+                 batch=args.batch)
+    points = [base]
+    for field, values in (("k", args.sweep_k), ("budget", args.sweep_budget),
+                          ("temperature", args.sweep_temperature), ("batch", args.sweep_batch)):
+        points += [dataclasses.replace(base, **{field: v}) for v in values]
+    return list(suites), list(dict.fromkeys(points))
+
+
+def device_split(args) -> tuple[int, int] | None:
+    """(target, draft) devices, checked against what this machine has."""
+    if args.target_devices is None and args.draft_devices is None:
+        return None
+    split = (args.target_devices or 1, args.draft_devices or 1)
+    for flag, v in zip(("--target-devices", "--draft-devices"), split):
+        if v < 1:
+            raise BenchError(f"{flag} {v} is invalid: each side needs at least one device")
+    need, cores = sum(split), len(os.sched_getaffinity(0))
+    avail, kind = cores, "CPU cores"
+    if args.driver != "processes":  # the processes driver must own jax's initialisation
+        import jax
+        if need <= cores:
+            try:  # several CPU devices in one process; only possible before the first device use
+                jax.config.update("jax_num_cpu_devices", need)
+            except Exception:
+                pass
+        devices = jax.devices()
+        if devices[0].platform != "cpu":
+            avail, kind = len(devices), f"{devices[0].platform} devices"
+    if need > avail:
+        raise BenchError(f"device split --target-devices {split[0]} --draft-devices {split[1]} "
+                         f"needs {need} devices but {avail} {kind} are available: lower the "
+                         f"split to at most {avail} in total")
+    return split
+
+
+def engine_config(args, split, max_batch: int):
+    from ssd_jax import EngineConfig
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    kw = dict(max_batch=max_batch, max_seq_len=args.max_seq_len,
+              prefill_bucket=args.prefill_bucket, sync_every=args.sync_every)
+    if "driver" in fields:
+        kw["driver"] = args.driver
+    elif args.driver == "processes":
+        raise BenchError("--driver processes needs EngineConfig(driver=...), which this ssd_jax "
+                         "version lacks: use --driver single")
+    if split is not None:
+        if "mesh" not in fields:
+            raise BenchError("--target-devices/--draft-devices need EngineConfig(mesh=...), which "
+                             "this ssd_jax version lacks: drop the device-split flags")
+        kw["mesh"] = split
+    try:
+        return EngineConfig(**kw)
+    except (ValueError, TypeError) as e:
+        raise BenchError(str(e))

@@ -1,0 +1,280 @@
+"""ssd-bench: AR vs SD vs SSD decode throughput on offline prompt suites, with sweeps, peers,
+a markdown table, JSON and plots.
+
+    ssd-bench --mode all --suite all --num-prompts 8 --output-len 64 --peers --out results/
+    ssd-bench --mode ssd --suite code --sweep-k 2,3,4 --sweep-temperature 0,0.5,1 --json r.json
+    ssd-bench report results/bench.json --readme README.md   # regenerate the README section
+    ssd-bench plan ...                                        # bench/plan.py
+
+Protocol (the SSD paper's): batch 1, greedy, decode tok/s with prefill excluded (total decode
+tokens / total decode seconds over the prompts), every compiled shape warmed up before timing.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from bench.checks import BenchError, device_split, engine_config, validate
+from bench.measure import Cells, Point, encode
+from bench.suites import SUITES, load_suite
+
+MODES = ("ar", "sd", "ssd")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise BenchError(f"{message} (see ssd-bench --help)")
+
+
+def _list(kind, flag):
+    def parse(text):
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a comma-separated list of {kind.__name__}s, e.g. {flag} 2,3,4")
+    return parse
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="ssd-bench", description=__doc__.split("\n\n")[0],
+                 epilog="Subcommands: `ssd-bench report JSON [--readme FILE]`, `ssd-bench plan`.",
+                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = ap.add_argument
+    a("--mode", default="all", choices=[*MODES, "all"], help="decode mode(s) to time")
+    a("--target", default="smollm2", help="name, .gguf file, HF directory or orbax directory")
+    a("--draft", default="smollm2-draft", help="draft model (same kinds as --target)")
+    a("--k", type=int, default=4, help="lookahead K: draft tokens per round")
+    a("--fanout", default="geometric", choices=["uniform", "geometric", "empirical"])
+    a("--budget", type=int, default=0, help="SSD branches per row M (0: 2(K+1))")
+    a("--c", type=float, default=1.0, help="Saguaro sampling constant C in (0, 1]")
+    a("--backup", default="neural", choices=["neural", "fast", "auto"])
+    a("--temperature", type=float, default=0.0, help="0 = greedy")
+    a("--top-p", type=float, default=1.0)
+    a("--batch", type=int, default=1)
+    a("--num-prompts", type=int, default=8, help="prompts per suite")
+    a("--output-len", type=int, default=64, help="new tokens per prompt")
+    a("--suite", default="all", help=f"{', '.join(SUITES)}, a comma list of them, or all")
+    a("--seed", type=int, default=0, help="prompt order and sampling seeds")
+    a("--target-devices", type=int, default=None, help="devices of the target mesh")
+    a("--draft-devices", type=int, default=None, help="devices of the draft mesh")
+    a("--driver", default="auto", choices=["auto", "single", "processes"],
+      help="SSD driver: one controller, or draft and target in two pinned processes")
+    a("--sweep-k", type=_list(int, "--sweep-k"), default=[], metavar="K,K,...")
+    a("--sweep-budget", type=_list(int, "--sweep-budget"), default=[], metavar="M,M,...")
+    a("--sweep-temperature", type=_list(float, "--sweep-temperature"), default=[],
+      metavar="T,T,...")
+    a("--sweep-batch", type=_list(int, "--sweep-batch"), default=[], metavar="B,B,...")
+    a("--peers", action="store_true",
+      help="also time transformers AR and transformers assisted generation (our draft)")
+    a("--torch-threads", type=int, default=None,
+      help="torch threads for --peers (default: the cores the target gets)")
+    a("--no-phases", action="store_true",
+      help="skip the phase-timing pass that feeds the speed model")
+    a("--calib-prompts", type=int, default=2, help="prompts of the phase-timing pass")
+    a("--stop-at-eos", action="store_true",
+      help="stop rows at EOS (default: always generate --output-len tokens)")
+    a("--prefill-bucket", type=int, default=128,
+      help="prompts are padded to a multiple of this: 128 puts every suite prompt of SmolLM2 "
+      "in one compiled shape (TTFT includes the padding)")
+    a("--sync-every", type=int, default=2,
+      help="rounds dispatched before the host reads tokens: rounds past a request's last token "
+      "are still timed, so keep it small (the engine default of 8 wastes up to 7 rounds)")
+    a("--max-seq-len", type=int, default=4096)
+    a("--dtype", default="float32", choices=["float32", "bfloat16"])
+    a("--json", default=None, metavar="PATH", help="write the results JSON here")
+    a("--out", default=None, metavar="DIR", help="write bench.json, results.md and PNG plots")
+    a("--readme", default=None, metavar="FILE", help="replace this file's results section")
+    a("--no-progress", action="store_true")
+    return ap
+
+
+# ------------------------------------------------------------------ the run
+def machine() -> dict:
+    import importlib.metadata as md
+    versions = {"python": platform.python_version()}
+    for pkg in ("jax", "jaxlib", "flax", "ssd-jax", "numpy", "torch", "transformers"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = None
+    import collections
+    import jax
+    n = collections.Counter(f"{d.platform}:{d.device_kind}" for d in jax.devices())
+    devices = ", ".join(f"{c}x {k}" for k, c in n.items())
+    return dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
+                cpu_count=os.cpu_count(), usable_cores=len(os.sched_getaffinity(0)),
+                devices=devices, versions=versions, date=time.strftime("%Y-%m-%d %H:%M"))
+
+
+def run(args, argv) -> dict:
+    suites, points = validate(args)
+    modes = list(MODES) if args.mode == "all" else [args.mode]
+    needs_draft = any(m != "ar" for m in modes)
+    load_draft = needs_draft or args.driver == "processes"  # the workers load both models
+    prompts = {}
+    for s in suites:
+        try:
+            prompts[s] = load_suite(s, args.num_prompts, args.seed)
+        except ValueError as e:
+            raise BenchError(str(e))
+    split = device_split(args)
+    if load_draft and args.draft.lower() == "smollm2-draft":
+        from ssd_jax.loading.registry import SHIPPED
+        if not SHIPPED["smollm2-draft"].exists():
+            raise BenchError(f"the default draft is not at {SHIPPED['smollm2-draft']} yet (made by "
+                             "`python -m ssd_jax.distill`): pass --draft smollm2 (the target as "
+                             "its own draft) or another draft")
+    engine = engine_config(args, split, max(p.batch for p in points))
+    from ssd_jax import LLM
+    try:
+        llm = LLM(args.target, draft=args.draft if load_draft else None, dtype=args.dtype,
+                  spec=points[0].spec(), engine=engine)
+    except (FileNotFoundError, ValueError) as e:
+        raise BenchError(str(e).splitlines()[0])
+    notes = []
+    if (args.driver == "auto" and "ssd" in modes and callable(getattr(llm, "driver", None))
+            and llm.driver("ssd") == "processes"):
+        # The engine runs SSD in two pinned processes here; run AR and SD in the same target
+        # process too, so that every mode's target gets the same single core.
+        llm.engine = dataclasses.replace(llm.engine, driver="processes")
+        notes.append("driver auto chose pinned worker processes for SSD on this CPU, so every "
+                     "mode ran in them: the target gets one core in AR, SD and SSD, and SSD "
+                     "adds a second core for the draft.")
+    driver = llm.driver("ssd" if "ssd" in modes else modes[0]) if callable(
+        getattr(llm, "driver", None)) else "single"
+    ids, how = {}, None
+    for s in suites:
+        ids[s], how = encode(llm, prompts[s])
+    cells = Cells(llm, out_len=args.output_len, seed=args.seed,
+                  ignore_eos=not args.stop_at_eos, progress=not args.no_progress)
+    jobs, seen = [], set()
+    for point in points:
+        for mode in modes:
+            key = (mode, point.for_mode(mode))
+            if key not in seen:
+                seen.add(key)
+                jobs += [(mode, point, s) for s in suites]
+    from tqdm import tqdm
+    bar = tqdm(jobs, desc="cells", unit="cell", disable=args.no_progress, file=sys.stderr)
+    out_cells, calibration = [], []
+    try:
+        for mode, point, suite in bar:
+            bar.set_postfix_str(f"{mode} {suite} K={point.k} T={point.temperature:g} "
+                                f"B={point.batch}")
+            cell = cells.run(mode, suite, point, ids[suite], desc=f"{mode}/{suite}")
+            out_cells.append(cell)
+            if (mode != "ar" and not args.no_phases and suite == suites[0]
+                    and cell["phases"] is None):
+                n = max(args.calib_prompts, point.batch)
+                calibration.append(dict(mode=mode, point=dataclasses.asdict(point.for_mode(mode)),
+                                        phases=cells.calibrate(mode, point, ids[suite][:n])))
+    finally:
+        if hasattr(llm, "close"):
+            llm.close()
+    threads = args.torch_threads or (1 if driver == "processes" else os.cpu_count())
+    if args.peers:
+        out_cells += run_peers(args, points[0], suites, ids, needs_draft, threads)
+    if driver != "processes" and "ssd" in modes:
+        import jax
+        if split is None or jax.devices()[0].platform == "cpu":
+            notes.append("SSD ran with the single-controller driver"
+                         + (" on CPU devices of one process" if split else "") + ": draft and "
+                         "target share the same cores, so the draft's work is not overlapped "
+                         "with verification (the speed model assumes it is).")
+    if needs_draft and args.draft == args.target:
+        notes.append("The draft is the target itself (a stand-in for a distilled draft).")
+    if args.peers:
+        notes.append(f"transformers peers ran with torch {threads} thread(s), batch 1.")
+    results = dict(
+        schema="ssd-bench/1", command="ssd-bench " + shlex.join(argv),
+        machine=machine(),
+        config=dict(target=args.target, draft=args.draft if needs_draft else None,
+                    suites=suites, modes=modes, num_prompts=args.num_prompts,
+                    output_len=args.output_len, seed=args.seed, driver=driver,
+                    device_split=split, prefill_bucket=args.prefill_bucket,
+                    sync_every=args.sync_every, dtype=args.dtype,
+                    ignore_eos=not args.stop_at_eos, prompt_encoding=how,
+                    torch_threads=threads if args.peers else None),
+        base=dataclasses.asdict(points[0]), points=[dataclasses.asdict(p) for p in points],
+        cells=out_cells, calibration=calibration, notes=notes, plots=[])
+    from bench.results import annotate
+    return annotate(results)
+
+
+def run_peers(args, base: Point, suites, ids, with_draft: bool, threads: int) -> list[dict]:
+    import tempfile
+    from bench.peers import TorchPeers
+    work = Path(args.out) / "hf" if args.out else Path(tempfile.mkdtemp(prefix="ssd-bench-"))
+    peers = TorchPeers(args.target, args.draft if with_draft else None, work, k=base.k,
+                       threads=threads)
+    out = []
+    for mode in ["hf-ar"] + (["hf-assisted"] if with_draft else []):
+        for s in suites:
+            out.append(peers.run(mode, s, base, ids[s], out_len=args.output_len, seed=args.seed,
+                                 ignore_eos=not args.stop_at_eos,
+                                 desc="" if args.no_progress else f"{mode}/{s}"))
+    return out
+
+
+def report(results: dict, args) -> None:
+    from bench.results import detail_table, section, summary_table, update_readme
+    if args.out:
+        out = Path(args.out)
+        from bench.plots import make_plots
+        results["plots"] = make_plots(results, out)
+        (out / "bench.json").write_text(json.dumps(results, indent=1))
+        (out / "results.md").write_text(section(results, "."))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.readme:
+        plot_dir = (os.path.relpath(Path(args.out).resolve(), Path(args.readme).resolve().parent)
+                    if args.out else None)
+        update_readme(Path(args.readme), section(results, plot_dir))
+    print(summary_table(results))
+    print()
+    print(detail_table(results))
+    for c in results["cells"]:
+        if c.get("matches_ar") and c["matches_ar"][0] != c["matches_ar"][1]:
+            print(f"warning: greedy {c['mode']} on {c['suite']} differs from AR on "
+                  f"{c['matches_ar'][1] - c['matches_ar'][0]} of {c['matches_ar'][1]} prompts",
+                  file=sys.stderr)
+
+
+def _plan(argv) -> int:
+    try:
+        from bench import plan
+    except ModuleNotFoundError as e:
+        if e.name != "bench.plan":
+            raise
+        print("ssd-bench: error: `ssd-bench plan` is not available: bench/plan.py is missing "
+              "from this checkout", file=sys.stderr)
+        return 2
+    return plan.main(argv)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:
+        return _plan(argv[1:])
+    if argv[:1] == ["report"]:
+        from bench.results import main as report_main
+        return report_main(argv[1:])
+    if argv[:1] == ["run"]:
+        argv = argv[1:]
+    try:
+        args = parser().parse_args(argv)
+        results = run(args, argv)
+    except BenchError as e:
+        print(f"ssd-bench: error: {e}", file=sys.stderr)
+        return 2
+    report(results, args)
+    return 0

@@ -1,0 +1,241 @@
+"""Timed runs of one (mode, suite, configuration) cell through the ssd_jax engine.
+
+Accounting: decode throughput is (sum of decode tokens) / (sum of decode seconds) over all
+batches of the cell; the first token of every row and the prefill are excluded (they are TTFT).
+Every distinct compiled shape is warmed up before timing (compile time is reported apart).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Point:
+    """One configuration of the sweep. Fields a mode ignores are None in its cells."""
+
+    k: int | None
+    budget: int | None  # SSD branches per row M (0 = the engine's default 2(K+1))
+    fanout: str | None
+    c: float | None
+    backup: str | None
+    temperature: float
+    top_p: float
+    batch: int
+
+    def for_mode(self, mode: str) -> "Point":
+        if mode in ("ar", "hf-ar"):
+            return dataclasses.replace(self, k=None, budget=None, fanout=None, c=None, backup=None)
+        if mode in ("sd", "hf-assisted"):
+            return dataclasses.replace(self, budget=None, fanout=None, c=None, backup=None)
+        return self
+
+    def spec(self):
+        from ssd_jax.config import SpecConfig
+        kw = {f: getattr(self, f) for f in ("k", "budget", "fanout", "c", "backup")
+              if getattr(self, f) is not None}
+        return SpecConfig(**kw)
+
+
+def encode(llm, prompts, chat: bool = True) -> tuple[list[list[int]], str]:
+    """Token ids of the prompts (chat template when the tokenizer has one) and how they were
+    made. A model without a tokenizer (tiny test models) gets bytes folded into its vocab."""
+    tok = llm.tokenizer
+    if tok is None:
+        V = llm.config.vocab_size
+        return [[3 + b % (V - 3) for b in p.text.encode()][:48] for p in prompts], "bytes"
+    if chat and tok.chat_template:
+        return [tok.encode(tok.apply_chat_template([{"role": "user", "content": p.text}]),
+                           add_special_tokens=False) for p in prompts], "chat template"
+    return [tok.encode(p.text) for p in prompts], "plain"
+
+
+def sampling(point: Point, n: int, out_len: int, seed: int, ignore_eos: bool):
+    from ssd_jax import SamplingParams
+    return [SamplingParams(temperature=point.temperature, top_p=point.top_p,
+                           max_new_tokens=out_len, seed=seed * 100003 + i, ignore_eos=ignore_eos)
+            for i in range(n)]
+
+
+def shape_key(lens: list[int], out_len: int, bucket: int, slack: int) -> tuple:
+    """The shapes a generate() call compiles for (mirrors ssd_jax.engine: padded batch, prompt
+    bucket, cache length). A mismatch would only cost an extra warm-up or an untimed compile."""
+    B = 1 << (len(lens) - 1).bit_length()
+    T = math.ceil(max(lens) / bucket) * bucket
+    S = math.ceil((max(max(lens) + out_len, T) + slack) / 256) * 256
+    return B, T, S
+
+
+class Cells:
+    """Runs cells on one LLM; remembers which shapes are compiled."""
+
+    def __init__(self, llm, *, out_len: int, seed: int, ignore_eos: bool, progress: bool):
+        self.llm, self.out_len, self.seed, self.ignore_eos = llm, out_len, seed, ignore_eos
+        self.progress = progress
+        self.warm: set = set()
+
+    def _set(self, point: Point, mode: str, sync_phases: bool = False):
+        # The engine reads `spec` and `engine` on every call, so one loaded LLM serves all points.
+        if mode in ("sd", "ssd"):
+            self.llm.spec = point.spec()
+        self.llm.engine = dataclasses.replace(self.llm.engine, sync_phases=sync_phases)
+
+    def _batches(self, ids, point):
+        return [list(range(i, min(i + point.batch, len(ids))))
+                for i in range(0, len(ids), point.batch)]
+
+    def driver(self, mode: str) -> str:
+        f = getattr(self.llm, "driver", None)
+        return f(mode) if callable(f) else "single"
+
+    def warmup(self, mode: str, point: Point, ids, params) -> float:
+        self._set(point, mode)
+        slack = 1 if mode == "ar" else point.k + 2
+        t0 = time.perf_counter()
+        for b in self._batches(ids, point):
+            key = (mode, point.for_mode(mode), params[0].temperature == 0,
+                   shape_key([len(ids[i]) for i in b], self.out_len,
+                             self.llm.engine.prefill_bucket, slack))
+            if key in self.warm:
+                continue
+            args = ([ids[i] for i in b], [params[i] for i in b])
+            if self.driver(mode) == "processes":
+                # A full generate: LLM.warmup stops after the first chunk, and closing the
+                # worker stream early stops the worker pool (its programs would recompile).
+                self.llm.generate(*args, mode=mode, chat=False)
+            else:
+                self.llm.warmup(*args, mode=mode, chat=False)
+            self.warm.add(key)
+        return time.perf_counter() - t0
+
+    def _generate(self, mode, point, ids, params, agg, bar=None):
+        for b in self._batches(ids, point):
+            agg.add(b, self.llm.generate([ids[i] for i in b], [params[i] for i in b], mode=mode,
+                                         chat=False))
+            if bar is not None:
+                bar.update(len(b))
+
+    def run(self, mode: str, suite: str, point: Point, ids, desc: str = "") -> dict:
+        params = sampling(point, len(ids), self.out_len, self.seed, self.ignore_eos)
+        warm_s = self.warmup(mode, point, ids, params)
+        self._set(point, mode)
+        agg = Agg(point.for_mode(mode), self.driver(mode))
+        bar = _bar(len(ids), desc if self.progress else "")
+        self._generate(mode, point, ids, params, agg, bar)
+        bar.close()
+        return agg.cell(mode, suite, warm_s)
+
+    def calibrate(self, mode: str, point: Point, ids) -> dict | None:
+        """Per-round phase times with the engine blocking between phases, for the speed model
+        only (throughput is measured without the blocking). The processes driver always times
+        its phases, so its cells carry them already and need no separate pass."""
+        params = sampling(point, len(ids), self.out_len, self.seed, self.ignore_eos)
+        self.warmup(mode, point, ids, params)
+        self._set(point, mode, sync_phases=True)
+        agg = Agg(point.for_mode(mode), self.driver(mode))
+        try:
+            self._generate(mode, point, ids, params, agg)
+        finally:
+            self._set(point, mode)
+        return agg.phases()
+
+
+class Agg:
+    """Sums a cell's batches."""
+
+    def __init__(self, point: Point, driver: str):
+        self.point, self.driver = point, driver
+        self.outputs: dict[int, list[int]] = {}
+        self.finish: dict[int, str] = {}
+        self.decode_tokens = self.decode_s = self.row_tokens = self.steps = 0
+        self.verify = self.draft = self.build = self.select = self.miss_rounds = 0.0
+        self.ttft, self.hist = [], None
+        self.hit = self.miss = None
+        self.all_hit_w = 0.0
+
+    def add(self, rows, outs):
+        m = outs[0].metrics
+        for i, o in zip(rows, outs):
+            self.outputs[i], self.finish[i] = o.token_ids, o.finish_reason
+        self.decode_tokens += m.decode_tokens
+        self.decode_s += m.decode_s
+        self.row_tokens += m.decode_tokens / max(len(rows), 1)
+        self.steps += m.decode_steps
+        self.verify += m.verify_s
+        self.draft += m.draft_s
+        self.ttft.append(m.ttft_s)
+        if m.accept_hist:
+            self.hist = _acc(self.hist, m.accept_hist)
+        if m.ssd is not None:
+            s = _ssd_dict(m.ssd)
+            self.hit = _acc(self.hit, s["accept_hist_hit"])
+            self.miss = _acc(self.miss, s["accept_hist_miss"])
+            self.all_hit_w += s["all_hit_rate"] * m.decode_steps
+            self.build += s["build_s"]
+            self.select += s["select_s"]
+            self.miss_rounds += (1 - s["all_hit_rate"]) * m.decode_steps
+
+    def phases(self) -> dict | None:
+        """Seconds per round. t_exposed: what the target waits for the next speculation beyond
+        its verification (single driver, blocking: build + select; processes driver: measured
+        wait). t_backup_est: select/exposed time attributed to rounds with a miss (the neural
+        backup runs only then)."""
+        if not self.steps or self.verify <= 0:
+            return None
+        out = dict(rounds=int(self.steps), t_verify=self.verify / self.steps)
+        if self.hit is None:
+            out["t_draft"] = self.draft / self.steps
+        else:
+            exposed = self.select + (self.build if self.driver != "processes" else 0.0)
+            out.update(t_build=self.build / self.steps, t_exposed=exposed / self.steps,
+                       t_backup_est=self.select / max(self.miss_rounds, 1.0))
+        return out
+
+    def cell(self, mode: str, suite: str, warm_s: float) -> dict:
+        n = len(self.outputs)
+        rounds = sum(self.hist) if self.hist is not None else 0
+        ssd = None
+        if self.hit is not None:
+            h, mi = sum(self.hit), sum(self.miss)
+            ssd = dict(hit_rate=h / max(h + mi, 1), all_hit_rate=self.all_hit_w / max(self.steps, 1),
+                       accept_hist_hit=self.hit.tolist(), accept_hist_miss=self.miss.tolist())
+        return dict(
+            mode=mode, suite=suite, **dataclasses.asdict(self.point), driver=self.driver,
+            num_prompts=n, decode_tokens=int(self.decode_tokens), decode_s=self.decode_s,
+            decode_tok_s=self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0,
+            ttft_ms=1e3 * float(np.mean(self.ttft)),
+            tpot_ms=1e3 * self.decode_s / self.row_tokens if self.row_tokens else 0.0,
+            rounds=int(self.steps),
+            tokens_per_round=(sum((k + 1) * c for k, c in enumerate(self.hist)) / rounds
+                              if rounds else 1.0),
+            acceptance=(sum(k * c for k, c in enumerate(self.hist)) / (rounds * (len(self.hist) - 1))
+                        if rounds and len(self.hist) > 1 else None),
+            accept_hist=None if self.hist is None else self.hist.tolist(), ssd=ssd,
+            phases=self.phases() if mode != "ar" else None,
+            warmup_s=warm_s, finish=[self.finish[i] for i in range(n)],
+            outputs=[self.outputs[i] for i in range(n)])
+
+
+def _ssd_dict(stats) -> dict:
+    """SSDStats.to_dict(), but timers read from the attributes: the processes driver sets the
+    draft's build time on the stats object after its dict was made."""
+    d = dict(stats.to_dict())
+    for k in ("build_s", "select_s"):
+        v = getattr(stats, k, None)
+        if isinstance(v, (int, float)):
+            d[k] = float(v)
+    return d
+
+
+def _acc(total, hist):
+    h = np.asarray(hist, np.int64)
+    return h if total is None else total + h
+
+
+def _bar(total: int, desc: str):
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit="prompt", leave=False, disable=not desc)

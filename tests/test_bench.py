@@ -1,0 +1,190 @@
+"""The bench CLI (CI smoke): every mode plus the transformers peers on a tiny random HF pair,
+2 prompts x 16 tokens, through main(); the JSON schema; greedy outputs equal across modes;
+prompt suites; bad flags; the HF export of a truncated-vocab draft; the README section."""
+import json
+import random
+import re
+
+import numpy as np
+import pytest
+
+from bench import suites
+from bench.cli import main
+from tests.conftest import make_hf_model
+
+CELL_KEYS = {"mode", "suite", "k", "budget", "fanout", "c", "backup", "temperature", "top_p",
+             "batch", "num_prompts", "decode_tokens", "decode_s", "decode_tok_s", "ttft_ms",
+             "tpot_ms", "rounds", "tokens_per_round", "acceptance", "accept_hist", "ssd",
+             "warmup_s", "finish", "outputs", "speedup_vs_ar", "matches_ar", "prediction"}
+TOP_KEYS = {"schema", "command", "machine", "config", "base", "points", "cells", "calibration",
+            "notes", "plots"}
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama, tmp_path_factory):
+    """Target = tiny Llama; draft = its weights plus noise (acceptance partial: SD and SSD both
+    reject, so equal outputs across modes mean something)."""
+    import torch
+    import transformers
+    path = tmp_path_factory.mktemp("bench_draft")
+    hf = tiny_llama[1]
+    torch.manual_seed(1)
+    draft = transformers.LlamaForCausalLM(hf.config)
+    draft.load_state_dict({k: v + 0.02 * torch.randn_like(v) if v.dim() > 1 else v
+                           for k, v in hf.state_dict().items()})
+    draft.save_pretrained(path, safe_serialization=True)
+    return str(tiny_llama[0]), str(path)
+
+
+@pytest.fixture(scope="module")
+def run(pair, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_out")
+    argv = ["--mode", "all", "--target", pair[0], "--draft", pair[1], "--suite", "chat",
+            "--num-prompts", "2", "--output-len", "16", "--k", "3", "--peers",
+            "--driver", "single", "--no-progress", "--json", str(out / "r.json"),
+            "--out", str(out)]
+    assert main(argv) == 0
+    return json.loads((out / "r.json").read_text()), out
+
+
+def test_json_schema_and_greedy_equality(run):
+    res, _ = run
+    assert TOP_KEYS <= set(res) and res["schema"] == "ssd-bench/1"
+    modes = {c["mode"] for c in res["cells"]}
+    assert modes == {"ar", "sd", "ssd", "hf-ar", "hf-assisted"}
+    for c in res["cells"]:
+        assert CELL_KEYS <= set(c), CELL_KEYS - set(c)
+        assert c["num_prompts"] == 2 and c["decode_tokens"] == 2 * 15
+        assert c["decode_tok_s"] > 0 and all(len(o) == 16 for o in c["outputs"])
+    ar = next(c for c in res["cells"] if c["mode"] == "ar")["outputs"]
+    for c in res["cells"]:
+        assert c["outputs"] == ar, c["mode"]  # greedy: every engine emits the target's tokens
+    sd = next(c for c in res["cells"] if c["mode"] == "sd")
+    ssd = next(c for c in res["cells"] if c["mode"] == "ssd")
+    assert 0 < sum(sd["accept_hist"]) <= sd["rounds"]
+    assert sd["accept_hist"][-1] < sum(sd["accept_hist"])  # the noisy draft was rejected
+    assert 0.0 <= ssd["ssd"]["hit_rate"] <= 1.0 and len(ssd["ssd"]["accept_hist_hit"]) == 4
+    assert ssd["prediction"] is not None and ssd["prediction"]["thm7_speedup"] > 0
+
+
+def test_plots_and_readme_section(run, tmp_path):
+    res, out = run
+    for name in res["plots"]:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "tok_s_by_suite.png" in res["plots"] and "accept_hist.png" in res["plots"]
+    readme = tmp_path / "README.md"
+    readme.write_text("# Title\n\n<!-- ssd-bench:begin -->\nold\n<!-- ssd-bench:end -->\ntail\n")
+    assert main(["report", str(out / "r.json"), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith("# Title") and text.endswith("tail\n") and "old" not in text
+    ar = next(c for c in res["cells"] if c["mode"] == "ar")
+    assert f"{ar['decode_tok_s']:.1f}" in text and "transformers assisted" in text
+
+
+# ------------------------------------------------------------------ suites
+@pytest.mark.parametrize("name", suites.SUITES)
+def test_suites_are_deterministic_and_large(name):
+    a, b = suites.pool(name, seed=3), suites.pool(name, seed=3)
+    assert len(a) >= 64 and [p.text for p in a] == [p.text for p in b]
+    assert len({p.text for p in a}) == len(a)
+    assert [p.text for p in suites.load_suite(name, 5, seed=3)] == [p.text for p in a[:5]]
+    assert [p.text for p in suites.pool(name, seed=4)] != [p.text for p in a]
+
+
+def test_code_suite_uses_only_held_out_modules():
+    from ssd_jax.distill.prompts import is_training_module
+    mods = {p.source.split(".")[0] for p in suites.pool("code")}
+    assert len(mods) > 20 and not any(is_training_module(m) for m in mods)
+    for name in ("os", "json", "ast", "heapq", "uuid"):  # the fallback rule is the same rule
+        assert suites._is_training_module(name) == is_training_module(name)
+
+
+def test_hand_written_prompts_are_not_training_templates():
+    from ssd_jax.distill import prompts as train
+    words = {"topic": train.TOPICS, "topic2": train.TOPICS, "audience": train.AUDIENCES,
+             "thing": train.THINGS, "skill": train.SKILLS}
+    alt = {k: "(" + "|".join(map(re.escape, v)) + ")" for k, v in words.items()}
+    pats = [re.compile("^" + re.sub(r"\\\{(\w+)\\\}", lambda m: alt[m.group(1)], re.escape(t))
+                       + "$") for t in train.INSTRUCTION_TEMPLATES]
+    assert any(p.match(train.instruction_prompt(random.Random(0))) for p in pats)  # teeth
+    for text in suites.INSTRUCTIONS + suites.CHAT:
+        assert not any(p.match(text) for p in pats), text
+    assert not set(suites.INSTRUCTIONS + suites.CHAT) & set(train.HELD_OUT_INSTRUCTIONS)
+
+
+def test_math_answers():
+    """Re-derive two templates' answers from the text alone."""
+    checked = 0
+    for p in suites.pool("math", seed=0):
+        m = re.match(r"\w+ bakes (\d+) muffins .* sells (\d+) .* after (\d+) days", p.text)
+        if m:
+            a, b, c = map(int, m.groups())
+            assert int(p.answer) == (a - b) * c
+            checked += 1
+        m = re.match(r"There are (\d+) red, (\d+) blue and (\d+) green", p.text)
+        if m:
+            r, b, g = map(int, m.groups())
+            assert int(p.answer) == r + 3 * b + g
+            checked += 1
+    assert checked >= 5
+
+
+# ------------------------------------------------------------------ bad flags
+@pytest.mark.parametrize("argv, needle", [
+    (["--suite", "poetry"], "unknown suite 'poetry': use one of code, math, instructions, chat"),
+    (["--k", "0"], "K=0 is invalid: lookahead must be >= 1"),
+    (["--k", "4", "--budget", "3"], "budget 3 is smaller than K+1=5"),
+    (["--target-devices", "64", "--draft-devices", "64"], "lower the split"),
+    (["--sweep-k", "2,x"], "comma-separated list"),
+])
+def test_bad_flags_exit_2_with_one_line(argv, needle, capsys):
+    assert main(argv + ["--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1 and err.startswith("ssd-bench: error:")
+
+
+# ------------------------------------------------------------------ HF export
+def test_exported_truncated_vocab_draft_proposes_like_ours(tmp_path):
+    """A draft over 32 of 128 target tokens (+ OOV): transformers' greedy continuation of the
+    exported directory equals DraftModel's, token for token, and its logits agree inside the
+    draft vocabulary and are the dtype minimum outside it."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from bench.export_hf import export, load_hf
+    from ssd_jax.draft_vocab import DraftModel, VocabMap
+    from ssd_jax.loading import load
+    from ssd_jax.models import KVCache, causal_mask
+
+    make_hf_model(tmp_path / "d", "llama", seed=2, vocab_size=33)
+    model = load(tmp_path / "d")[0]
+    ids = np.random.default_rng(0).choice(128, 32, replace=False)
+    vocab = VocabMap.from_target_ids(ids, 128)
+    ours = DraftModel(model, vocab)
+
+    P = 16  # pad to one length: a causal model's logits at i do not see positions > i
+
+    @jax.jit
+    def padded_logits(x):
+        return ours(x, jnp.arange(P)[None], KVCache.zeros(model.config, 1, 8),
+                    jnp.zeros((1,), jnp.int32), causal_mask(1, P))[0][0]
+
+    def logits(seq):
+        return np.asarray(padded_logits(jnp.asarray([seq + [0] * (P - len(seq))])))[:len(seq)]
+
+    outside = [t for t in range(128) if t not in set(ids.tolist())]
+    prompt = [5, outside[0], 11, outside[1], 7]  # tokens outside the draft vocab enter as OOV
+    seq = list(prompt)
+    for _ in range(10):
+        seq.append(int(np.argmax(logits(seq)[-1])))
+    hf = load_hf(export(model, tmp_path / "hf", vocab=vocab))
+    with torch.no_grad():
+        got = hf.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10,
+                          do_sample=False, pad_token_id=0)[0].tolist()
+        ref = hf(torch.tensor([seq[:-1]])).logits[0].numpy()
+    assert got == seq
+    mine = logits(seq[:-1])
+    inside = np.isfinite(mine)
+    assert inside.sum() == 32 * len(seq[:-1])
+    np.testing.assert_allclose(ref[inside], mine[inside], atol=1e-4)
+    assert (ref[~inside] == np.finfo(np.float32).min).all()
