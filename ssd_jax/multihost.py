@@ -132,15 +132,7 @@ def target_loop(target: ModelRunner, batch: Batch, cache: KVCache, spec: SpecCon
             state = new_state
         outs = np.stack([np.asarray(o)[:batch.n] for o, *_ in rounds], axis=1)
         for _, n, done, was_hit in rounds:
-            live = ~np.asarray(done)[:batch.n]
-            n, h = np.asarray(n)[:batch.n], np.asarray(was_hit)[:batch.n]
-            stats.rounds += int(live.sum())
-            stats.hits += int((h & live).sum())
-            if live.any():
-                stats.batch_rounds += 1
-                stats.all_hit_rounds += int(h[live].all())
-            np.add.at(stats.accept_hit, n[live & h], 1)
-            np.add.at(stats.accept_miss, n[live & ~h], 1)
+            stats.record(n, was_hit, done, batch.n)
         metrics.accept_hist = (stats.accept_hit + stats.accept_miss).tolist()
         metrics.decode_steps += len(rounds)
         metrics.decode_s = time.perf_counter() - t1

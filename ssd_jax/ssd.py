@@ -73,6 +73,19 @@ class SSDStats:
     select_s: float = 0.0
     backup: str = "neural"  # the backup in use (backup="auto" re-decides every chunk)
 
+    def record(self, n, hit, done, rows: int) -> np.ndarray:
+        """Count one round of the real rows (the first `rows`); returns the live-row mask."""
+        live = ~np.asarray(done)[:rows]
+        n, hit = np.asarray(n)[:rows], np.asarray(hit)[:rows]
+        self.rounds += int(live.sum())
+        self.hits += int((hit & live).sum())
+        if live.any():
+            self.batch_rounds += 1
+            self.all_hit_rounds += int(hit[live].all())
+        np.add.at(self.accept_hit, n[live & hit], 1)
+        np.add.at(self.accept_miss, n[live & ~hit], 1)
+        return live
+
     @property
     def hit_rate(self) -> float:
         return self.hits / max(self.rounds, 1)
@@ -178,16 +191,8 @@ def ssd_loop(target: ModelRunner, draft: ModelRunner, vocab, batch: Batch,
         # Host side, a chunk behind: emitted tokens, statistics, fan-out update.
         outs = np.stack([np.asarray(o)[:batch.n] for o, *_ in rounds], axis=1)
         for _, n, done, hit, rank in rounds:
-            live = ~np.asarray(done)[:batch.n]
-            n, hit, rank = (np.asarray(x)[:batch.n] for x in (n, hit, rank))
-            stats.rounds += int(live.sum())
-            stats.hits += int((hit & live).sum())
-            if live.any():
-                stats.batch_rounds += 1
-                stats.all_hit_rounds += int(hit[live].all())
-            np.add.at(stats.accept_hit, n[live & hit], 1)
-            np.add.at(stats.accept_miss, n[live & ~hit], 1)
-            fan_model.observe(n[live], rank[live])
+            live = stats.record(n, hit, done, batch.n)
+            fan_model.observe(np.asarray(n)[:batch.n][live], np.asarray(rank)[:batch.n][live])
         metrics.accept_hist = (stats.accept_hit + stats.accept_miss).tolist()
         metrics.decode_steps += len(rounds)
         metrics.decode_s = time.perf_counter() - t1
