@@ -1,0 +1,132 @@
+"""The distilled draft: vocab map, target-vocab proposals, the shipped checkpoint, a training smoke run."""
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from ssd_jax.config import ModelConfig
+from ssd_jax.distill import train as T
+from ssd_jax.distill.prompts import held_out_prompts, is_training_module, stdlib_sources
+from ssd_jax.draft_vocab import DraftModel, VocabMap
+from ssd_jax.loading import orbax_ckpt
+from ssd_jax.loading.registry import SHIPPED
+from ssd_jax.models.attention import causal_mask
+from ssd_jax.models.transformer import KVCache, Transformer
+from ssd_jax.runner import ModelRunner, forward
+
+V_TARGET = 100
+KEEP = [3, 7, 0, 42, 99, 15, 8]  # draft ids 0..6 in this order, OOV = 7
+
+TINY = ModelConfig(arch="llama", vocab_size=len(KEEP) + 1, hidden_size=32, intermediate_size=64,
+                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, tie_embeddings=True)
+
+
+def _vocab():
+    return VocabMap.from_target_ids(KEEP, V_TARGET)
+
+
+def test_vocab_map_ids():
+    vm = _vocab()
+    assert vm.oov == len(KEEP) and vm.draft_size == len(KEEP) + 1 and vm.target_size == V_TARGET
+    assert np.asarray(vm.draft_ids(jnp.asarray(KEEP))).tolist() == list(range(len(KEEP)))
+    outside = [t for t in range(V_TARGET) if t not in KEEP]
+    assert (np.asarray(vm.draft_ids(jnp.asarray(outside))) == vm.oov).all()
+    assert vm.to_target[vm.oov] == -1
+    with pytest.raises(ValueError, match="duplicates"):
+        VocabMap.from_target_ids([1, 1], V_TARGET)
+
+
+def test_vocab_map_round_trips_through_checkpoint(tmp_path):
+    vm = _vocab()
+    assert VocabMap.from_dict(vm.to_dict()) == vm
+    model = Transformer(TINY, rngs=nnx.Rngs(0))
+    orbax_ckpt.save(model, None, tmp_path / "d", extra={"vocab_map": vm.to_dict()})
+    draft, _ = DraftModel.load(tmp_path / "d")
+    assert np.array_equal(np.asarray(draft.to_draft[...]), vm.to_draft)
+    assert draft.oov == vm.oov and draft.vocab_size == V_TARGET
+
+
+def test_proposal_is_a_distribution_over_the_target_vocab():
+    vm = _vocab()
+    draft_logits = jax.random.normal(jax.random.key(0), (3, vm.draft_size)) * 3
+    q = np.asarray(jax.nn.softmax(vm.target_logits(draft_logits), axis=-1))
+    assert q.shape == (3, V_TARGET)
+    np.testing.assert_allclose(q.sum(-1), 1.0, rtol=1e-6)
+    outside = [t for t in range(V_TARGET) if t not in KEEP]
+    assert (q[:, outside] == 0).all()
+    # Oracle: softmax over the draft logits of the real draft ids only (OOV dropped).
+    dl = np.asarray(draft_logits, np.float64)[:, :len(KEEP)]
+    ref = np.exp(dl - dl.max(-1, keepdims=True))
+    ref /= ref.sum(-1, keepdims=True)
+    np.testing.assert_allclose(q[:, KEEP], ref, rtol=1e-5, atol=1e-7)
+
+
+def test_draft_model_is_called_like_a_target():
+    vm = _vocab()
+    inner = Transformer(TINY, rngs=nnx.Rngs(1))
+    draft = DraftModel(inner, vm)
+    tokens = jnp.asarray([[3, 42, 55, 99]])  # 55 is outside the draft vocabulary
+    B, L = tokens.shape
+    args = (jnp.arange(L)[None], KVCache.zeros(TINY, B, 8), jnp.zeros((B,), jnp.int32),
+            causal_mask(B, L))
+    runner = ModelRunner(draft)  # engines split it like any model
+    got, kv = forward(runner.graphdef, runner.params, tokens, *args)
+    ref, _ = inner(jnp.asarray([[0, 3, vm.oov, 4]]), *args)
+    assert got.shape == (B, L, V_TARGET) and len(kv.k) == TINY.num_layers
+    np.testing.assert_allclose(np.asarray(got)[..., KEEP], np.asarray(ref)[..., :len(KEEP)],
+                               rtol=1e-5, atol=1e-5)
+    assert np.isneginf(np.asarray(got)[..., [t for t in range(V_TARGET) if t not in KEEP]]).all()
+
+
+def test_shipped_draft_loads_and_gives_finite_logits():
+    draft, tok = DraftModel.load("smollm2-draft")
+    size = sum(f.stat().st_size for f in SHIPPED["smollm2-draft"].rglob("*") if f.is_file())
+    assert size <= 40 * 2**20, f"checkpoint is {size / 2**20:.1f} MB, over the 40 MB budget"
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi there!"}]),
+                     add_special_tokens=False)
+    L = len(ids)
+    logits, _ = draft(jnp.asarray([ids]), jnp.arange(L)[None], KVCache.zeros(draft.config, 1, 1),
+                      jnp.zeros((1,), jnp.int32), causal_mask(1, L))
+    assert logits.shape == (1, L, tok.vocab_size)
+    in_vocab = np.asarray(draft.to_draft[...]) != draft.oov
+    assert np.isfinite(np.asarray(logits)[..., in_vocab]).all()
+    q = np.asarray(jax.nn.softmax(logits[0, -1]))
+    assert abs(q.sum() - 1) < 1e-5 and (q[~in_vocab] == 0).all()
+
+
+def test_training_prompts_are_disjoint_from_held_out_code():
+    train_mods, eval_mods = stdlib_sources(training=True), stdlib_sources(training=False)
+    assert train_mods and eval_mods and not set(train_mods) & set(eval_mods)
+    assert all(is_training_module(m) for m in train_mods)
+    assert len(held_out_prompts()) > 12
+
+
+def test_twenty_training_steps_lower_the_loss(tmp_path):
+    # Tiny random data with a learnable rule: the target's top-1 next token is (3 * token) % 7.
+    rng = np.random.default_rng(0)
+    N, L, k = 32, 16, 4
+    tokens = rng.choice(KEEP, (N, L)).astype(np.int32)
+    nxt = np.asarray(KEEP)[(3 * np.searchsorted(np.sort(KEEP), tokens)) % len(KEEP)]
+    top_ids = np.stack([nxt] + [rng.choice(KEEP, (N, L)) for _ in range(k - 1)], -1).astype(np.int32)
+    top_lp = np.log(np.broadcast_to([0.85, 0.05, 0.05, 0.05], (N, L, k))).astype(np.float16)
+    data = {"tokens": tokens, "weight": np.ones((N, L), np.float16), "top_ids": top_ids,
+            "top_lp": top_lp}
+    vm = _vocab()
+    cfg = T.TrainConfig(steps=20, batch=8, lr=1e-2, warmup=2, ckpt_every=10, eval_every=1000)
+    batches = T.Batches(data, vm, cfg.seed, cfg.batch)
+    model = Transformer(TINY, rngs=nnx.Rngs(0))
+    empty = KVCache.zeros(TINY, cfg.batch, 1)
+    fixed = batches(10_000)
+    before = float(T.eval_step(model, empty, *fixed, ce_weight=cfg.ce_weight)[0])
+    summary = T.train(model, batches, cfg, tmp_path, log=lambda *_: None)
+    after = float(T.eval_step(model, empty, *fixed, ce_weight=cfg.ce_weight)[0])
+    assert summary["steps"] == 20 and (tmp_path / "state.npz").exists()
+    assert after < 0.8 * before, (before, after)
+    # Resuming a finished run restores its state and takes no further step.
+    again = Transformer(TINY, rngs=nnx.Rngs(5))
+    logs = []
+    assert T.train(again, batches, cfg, tmp_path, log=logs.append)["steps"] == 20
+    assert "resumed" in logs[0]
+    np.testing.assert_allclose(float(T.eval_step(again, empty, *fixed, ce_weight=cfg.ce_weight)[0]),
+                               after, rtol=1e-5)
