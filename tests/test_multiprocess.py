@@ -23,7 +23,11 @@ def paths(tiny_llama, tmp_path_factory):
     d.load_state_dict({k: v + 0.02 * torch.randn_like(v) if v.dim() > 1 else v
                        for k, v in hf.state_dict().items()})
     d.save_pretrained(path, safe_serialization=True)
-    return str(tiny_llama[0]), str(path)
+    # The draft as an orbax checkpoint, like the shipped one: restoring under jax.distributed
+    # in a worker must not wait on the other process.
+    from ssd_jax.convert import main as convert
+    assert convert([str(path), str(path / "orbax")]) == 0
+    return str(tiny_llama[0]), str(path / "orbax")
 
 
 def _alive(pids):

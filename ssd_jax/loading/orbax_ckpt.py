@@ -16,6 +16,14 @@ from ssd_jax.models.transformer import Transformer
 CONFIG_FILE = "ssd_jax_config.json"
 
 
+def _checkpointer() -> ocp.StandardCheckpointer:
+    if jax.process_count() == 1:
+        return ocp.StandardCheckpointer()
+    me = jax.process_index()
+    return ocp.StandardCheckpointer(multiprocessing_options=ocp.options.MultiprocessingOptions(
+        primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"ssd_jax_{me}"))
+
+
 def is_orbax_dir(path: Path) -> bool:
     return (path / CONFIG_FILE).exists()
 
@@ -46,8 +54,12 @@ def load(directory: str | Path, *, dtype: str | None = None) -> tuple[Transforme
     saved_dtype = config.dtype
     model = abstract_model(config)
     abstract = nnx.state(model, nnx.Param)
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract.to_pure_dict())
-    with ocp.StandardCheckpointer() as ckpt:
+    # Restore onto this process's own device, and (under jax.distributed, e.g. in an SSD worker
+    # process) without global barriers: each process reads the checkpoint for itself.
+    local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=local),
+                          abstract.to_pure_dict())
+    with _checkpointer() as ckpt:
         restored = ckpt.restore(directory / "params", target)
     abstract.replace_by_pure_dict(restored)
     nnx.update(model, abstract)
