@@ -8,7 +8,6 @@ proposals (verify.py), which keeps SSD lossless.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 

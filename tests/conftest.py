@@ -46,6 +46,18 @@ def make_hf_model(path, arch: str, seed: int = 0, **overrides):
     return model
 
 
+def save_noisy_draft(hf_model, path, *, scale: float = 0.02, seed: int = 1):
+    """Save `hf_model`'s weights plus Gaussian noise as an HF model at `path`: a draft that
+    agrees with the target often but not always (acceptance partial, cache hits and misses)."""
+    import torch
+    torch.manual_seed(seed)
+    draft = type(hf_model)(hf_model.config)
+    draft.load_state_dict({k: v + scale * torch.randn_like(v) if v.dim() > 1 else v
+                           for k, v in hf_model.state_dict().items()})
+    draft.save_pretrained(path, safe_serialization=True)
+    return draft
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llama")

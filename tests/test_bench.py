@@ -24,15 +24,9 @@ TOP_KEYS = {"schema", "command", "machine", "config", "base", "points", "cells",
 def pair(tiny_llama, tmp_path_factory):
     """Target = tiny Llama; draft = its weights plus noise (acceptance partial: SD and SSD both
     reject, so equal outputs across modes mean something)."""
-    import torch
-    import transformers
+    from tests.conftest import save_noisy_draft
     path = tmp_path_factory.mktemp("bench_draft")
-    hf = tiny_llama[1]
-    torch.manual_seed(1)
-    draft = transformers.LlamaForCausalLM(hf.config)
-    draft.load_state_dict({k: v + 0.02 * torch.randn_like(v) if v.dim() > 1 else v
-                           for k, v in hf.state_dict().items()})
-    draft.save_pretrained(path, safe_serialization=True)
+    save_noisy_draft(tiny_llama[1], path)
     return str(tiny_llama[0]), str(path)
 
 

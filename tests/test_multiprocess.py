@@ -4,12 +4,11 @@ outlive the LLM, also when one fails."""
 import os
 
 import pytest
-import torch
-import transformers
 
 from ssd_jax import LLM, EngineConfig, SamplingParams
 from ssd_jax.config import SpecConfig
 from ssd_jax.pool import WorkerError
+from tests.conftest import save_noisy_draft
 
 PROMPTS = [[5, 9, 11], list(range(20, 39)), [7] * 8]
 
@@ -17,12 +16,7 @@ PROMPTS = [[5, 9, 11], list(range(20, 39)), [7] * 8]
 @pytest.fixture(scope="module")
 def paths(tiny_llama, tmp_path_factory):
     path = tmp_path_factory.mktemp("mp_draft")
-    hf = tiny_llama[1]
-    torch.manual_seed(1)
-    d = transformers.LlamaForCausalLM(hf.config)
-    d.load_state_dict({k: v + 0.02 * torch.randn_like(v) if v.dim() > 1 else v
-                       for k, v in hf.state_dict().items()})
-    d.save_pretrained(path, safe_serialization=True)
+    save_noisy_draft(tiny_llama[1], path)
     # The draft as an orbax checkpoint, like the shipped one: restoring under jax.distributed
     # in a worker must not wait on the other process.
     from ssd_jax.convert import main as convert

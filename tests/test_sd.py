@@ -73,7 +73,7 @@ def vocab6(tmp_path_factory):
               num_key_value_heads=1, num_hidden_layers=1, tie_word_embeddings=False,
               bos_token_id=0, eos_token_id=0)
     t = make_hf_model(tp, "llama", seed=3, **kw)
-    d = make_hf_model(dp, "llama", seed=4, **kw)
+    make_hf_model(dp, "llama", seed=4, **kw)
     return load(tp)[0], load(dp)[0], t
 
 

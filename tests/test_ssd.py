@@ -12,7 +12,7 @@ from ssd_jax.loading import load
 from ssd_jax.models import causal_mask, commit
 from ssd_jax.runner import ModelRunner, RowSampling
 from ssd_jax.sd import SpecState
-from tests.conftest import make_hf_model
+from tests.conftest import make_hf_model, save_noisy_draft
 from tests.test_sd import _chi2_pvalue, _exact_sequence_probs
 
 N_OUT = 4  # K=1: every row needs two or more rounds, so cache hits decide later tokens
@@ -25,16 +25,8 @@ PROMPTS = [[5, 9, 11], list(range(20, 39)), [7] * 8, [3, 1, 4, 1, 5, 9, 2, 6]]
 def pair(tiny_llama, tmp_path_factory):
     """Target = tiny Llama; draft = the same weights with noise, so acceptance is partial but
     high enough that the cache both hits and misses."""
-    import torch
     path = tmp_path_factory.mktemp("noisy_draft")
-    hf = tiny_llama[1]
-    with torch.no_grad():
-        state = {k: v + 0.02 * torch.randn_like(v) if v.dim() > 1 else v
-                 for k, v in hf.state_dict().items()}
-    import transformers
-    draft_hf = transformers.LlamaForCausalLM(hf.config)
-    draft_hf.load_state_dict(state)
-    draft_hf.save_pretrained(path, safe_serialization=True)
+    save_noisy_draft(tiny_llama[1], path)
     return load(tiny_llama[0])[0], load(path)[0]
 
 
@@ -69,18 +61,12 @@ def test_self_draft_hits_after_first_round(pair):
 def vocab6(tmp_path_factory):
     """Target over 6 tokens and a draft = target + noise: acceptance is partial, and the cache
     both hits (bonus tokens, recoveries the draft foresaw) and misses."""
-    import torch
-    import transformers
     tp, dp = tmp_path_factory.mktemp("t6s"), tmp_path_factory.mktemp("d6s")
     kw = dict(vocab_size=6, hidden_size=32, intermediate_size=64, num_attention_heads=2,
               num_key_value_heads=1, num_hidden_layers=1, tie_word_embeddings=False,
               bos_token_id=0, eos_token_id=0)
     t = make_hf_model(tp, "llama", seed=3, **kw)
-    torch.manual_seed(5)
-    d = transformers.LlamaForCausalLM(t.config)
-    d.load_state_dict({k: v + 0.05 * torch.randn_like(v) if v.dim() > 1 else v
-                       for k, v in t.state_dict().items()})
-    d.save_pretrained(dp, safe_serialization=True)
+    save_noisy_draft(t, dp, scale=0.05, seed=5)
     return load(tp)[0], load(dp)[0], t
 
 

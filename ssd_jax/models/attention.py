@@ -14,7 +14,6 @@ tested against this function.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
