@@ -104,6 +104,13 @@ def test_hand_written_prompts_are_not_training_templates():
     for text in suites.INSTRUCTIONS + suites.CHAT:
         assert not any(p.match(text) for p in pats), text
     assert not set(suites.INSTRUCTIONS + suites.CHAT) & set(train.HELD_OUT_INSTRUCTIONS)
+    num = {k: r"(-?\d+)" for k in "abcdep"}
+    math_pats = [re.compile("^" + re.sub(r"\\\{(\w+)\\\}", lambda m: num.get(
+        m.group(1), "(" + "|".join(train.ITEMS) + ")"), re.escape(t)) + "$")
+        for t in train.MATH_TEMPLATES]
+    assert any(p.match(train.math_prompt(random.Random(0))) for p in math_pats)  # teeth
+    for p in suites.pool("math"):
+        assert not any(m.match(p.text) for m in math_pats), p.text
 
 
 def test_math_answers():

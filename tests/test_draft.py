@@ -130,3 +130,33 @@ def test_twenty_training_steps_lower_the_loss(tmp_path):
     assert "resumed" in logs[0]
     np.testing.assert_allclose(float(T.eval_step(again, empty, *fixed, ce_weight=cfg.ce_weight)[0]),
                                after, rtol=1e-5)
+
+
+def test_labels_taken_while_generating_equal_teacher_forced_labels(tiny_llama):
+    """The distillation data labels responses from the generation step's own logits; they must
+    equal a separate teacher-forced pass, and greedy responses must be the engine's."""
+    from ssd_jax import LLM
+    from ssd_jax.config import EngineConfig, SamplingParams
+    from ssd_jax.distill.data import DataConfig, generate_labelled, label
+
+    path, _ = tiny_llama
+    cfg = DataConfig(batch=3, max_new_tokens=12, max_prompt_tokens=20, seq_len=40, top_k=4,
+                     label_batch=3)
+    llm = LLM(str(path), engine=EngineConfig(max_batch=3, max_seq_len=40, prefill_bucket=21))
+    prompts = [[1, 5, 9, 13], [1, 7, 7, 3, 22, 90, 4, 8, 8], [1, 60]]
+    seqs, (ids, lp) = generate_labelled(llm.runner, prompts, cfg, temperature=0.0,
+                                        stop_ids=np.array([2], np.int32), seed=0)
+    ref = llm.generate(prompts, SamplingParams(max_new_tokens=12, stop_token_ids=[2]), chat=False)
+    for p, s, r in zip(prompts, seqs, ref):
+        assert s == p + r.token_ids
+    tokens = np.zeros((3, 40), np.int32)
+    for i, s in enumerate(seqs):
+        tokens[i, :len(s)] = s
+    tf_ids, tf_lp = label(llm.runner, tokens, cfg, "test")
+    for i, (p, s) in enumerate(zip(prompts, seqs)):
+        n = len(s) - 1  # positions with a next token
+        np.testing.assert_array_equal(ids[i, :n, 0], tf_ids[i, :n, 0])
+        # greedy: on the response, the top-1 label is the token that was generated next
+        np.testing.assert_array_equal(ids[i, len(p) - 1:n, 0], s[len(p):])
+        np.testing.assert_allclose(lp[i, :n].astype(np.float32), tf_lp[i, :n].astype(np.float32),
+                                   atol=2e-3)

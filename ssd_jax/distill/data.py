@@ -1,5 +1,7 @@
-"""Distillation data: target responses from our AR engine, offline corpus text, and the target's
-top-k next-token distribution at every position (a batched teacher-forced target forward).
+"""Distillation data: target responses to training prompts, offline corpus text, and the target's
+top-k next-token distribution at every position. Responses are labelled while they are generated
+(the logits that produce a token are the labels of the position before it, so generation costs no
+second pass); corpus windows are labelled by a batched teacher-forced target forward.
 
 Every stage writes numbered shards into the data directory and skips shards that exist, so an
 interrupted run resumes where it stopped; the final `dataset.npz` holds, for N sequences of
@@ -23,10 +25,11 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from ssd_jax.config import EngineConfig, SamplingParams
+from ssd_jax.config import EngineConfig
 from ssd_jax.distill import prompts as P
 from ssd_jax.models.attention import causal_mask
-from ssd_jax.models.transformer import KVCache
+from ssd_jax.models.transformer import KVCache, commit
+from ssd_jax.sampling import next_token
 
 PROMPT_WEIGHT = 0.3  # prompt positions of chat data teach the template; responses matter most
 
@@ -34,12 +37,12 @@ PROMPT_WEIGHT = 0.3  # prompt positions of chat data teach the template; respons
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     seed: int = 0
-    gen_batches: int = 12  # engine batches of `batch` prompts each
+    gen_batches: int = 32  # batches of `batch` prompts each
     batch: int = 32
     max_new_tokens: int = 128
     max_prompt_tokens: int = 127  # prompt + max_new_tokens + 1 <= 256: one compiled program
     sample_every: int = 4  # every 4th batch samples at temperature 0.8 instead of greedy
-    corpus_chunks: int = 128  # 256-token windows of raw stdlib / Shakespeare text
+    corpus_chunks: int = 160  # 256-token windows of raw stdlib / Shakespeare text
     seq_len: int = 256
     top_k: int = 16
     label_batch: int = 8
@@ -57,25 +60,109 @@ def _chat_ids(tokenizer, text: str) -> list[int]:
 
 
 def generate_responses(llm, cfg: DataConfig, out: Path) -> None:
-    """Shards gen_XXXX.npz with prompt and response ids of `cfg.batch` chat prompts each."""
+    """Shards gen_XXXX.npz of `cfg.batch` chat prompts + target responses, labelled as they are
+    generated: the logits the target computes to produce each token are the labels of the
+    position before it, so the responses need no second (teacher-forced) pass."""
     need = cfg.gen_batches * cfg.batch
     pool = P.training_prompts(4 * need, seed=cfg.seed, cache_dir=out.parent)
     ids = [t for t in (_chat_ids(llm.tokenizer, p) for p in pool) if len(t) <= cfg.max_prompt_tokens]
     if len(ids) < need:
         raise RuntimeError(f"only {len(ids)} of the prompts fit in {cfg.max_prompt_tokens} tokens")
     ids = ids[:need]
-    for b in tqdm(range(cfg.gen_batches), desc="target responses", unit="batch"):
+    stop = np.asarray(sorted(set(llm.model.config.eos_token_ids)), np.int32)
+    for b in tqdm(range(cfg.gen_batches), desc="target responses (labelled)", unit="batch"):
         shard = out / f"gen_{b:04d}.npz"
         if shard.exists():
             continue
         rows = ids[b * cfg.batch:(b + 1) * cfg.batch]
-        sample = b % cfg.sample_every == cfg.sample_every - 1
-        params = [SamplingParams(max_new_tokens=cfg.max_new_tokens, seed=cfg.seed * 100003 + b * 1000 + i,
-                                 temperature=0.8 if sample else 0.0, top_p=0.95 if sample else 1.0)
-                  for i in range(len(rows))]
-        res = llm.generate(rows, params, chat=False)
-        seqs = [r + o.token_ids for r, o in zip(rows, res)]
-        np.savez(shard, **_pack(seqs, [len(r) for r in rows], cfg.seq_len))
+        temp = 0.8 if b % cfg.sample_every == cfg.sample_every - 1 else 0.0
+        seqs, labels = generate_labelled(llm.runner, rows, cfg, temperature=temp, stop_ids=stop,
+                                         seed=cfg.seed * 100003 + b)
+        packed = _pack(seqs, [len(r) for r in rows], cfg.seq_len)
+        np.savez(shard, **packed, top_ids=labels[0], top_lp=labels[1])
+
+
+@partial(jax.jit, static_argnames=("graphdef", "k"))
+def _prefill_topk(graphdef, params, tokens, cache: KVCache, *, k: int):
+    """Every prompt position's top-k (the prompt is labelled too) and its K/V."""
+    B, T = tokens.shape
+    no_prefix = jax.lax.optimization_barrier(jnp.zeros((B,), jnp.int32))  # see runner.prefill
+    logits, new_kv = nnx.merge(graphdef, params)(
+        tokens, jnp.broadcast_to(jnp.arange(T), (B, T)), cache, no_prefix, causal_mask(B, T))
+    return _log_top_k(logits, k), new_kv
+
+
+@partial(jax.jit, static_argnames=("graphdef", "k"))
+def _decode_topk(graphdef, params, tokens, lengths, cache: KVCache, key, temperature, *, k: int):
+    """One step: top-k of the next-token distribution, and the next token (greedy, or sampled
+    at `temperature` with top-p 0.95 for data diversity)."""
+    B = tokens.shape[0]
+    logits, new_kv = nnx.merge(graphdef, params)(
+        tokens[:, None], lengths[:, None], cache, lengths, jnp.ones((B, 1, 1), bool))
+    ids, lp = _log_top_k(logits, k)
+    keys = jax.random.split(key, B)
+    nxt = next_token(logits[:, 0], jnp.full((B,), temperature), jnp.zeros((B,), jnp.int32),
+                     jnp.full((B,), jnp.where(temperature > 0, 0.95, 1.0)), keys)
+    return (ids[:, 0], lp[:, 0]), nxt, new_kv
+
+
+def _log_top_k(logits, k: int):
+    vals, ids = jax.lax.top_k(logits, k)
+    return ids, (vals - jax.nn.logsumexp(logits, axis=-1, keepdims=True)).astype(jnp.float16)
+
+
+def generate_labelled(runner, prompts: list[list[int]], cfg: DataConfig, *, temperature: float,
+                      stop_ids: np.ndarray, seed: int):
+    """Prompt + response ids per row (the response ends after its first stop token or at
+    max_new_tokens) and the target's top-k labels [B, seq_len, k] for every position."""
+    B, P0, T, k = len(prompts), cfg.max_prompt_tokens + 1, cfg.seq_len, cfg.top_k
+    x = np.zeros((B, P0), np.int32)
+    plen = np.array([len(p) for p in prompts], np.int32)
+    for i, p in enumerate(prompts):
+        x[i, :len(p)] = p
+    cache = runner.new_cache(B, T)
+    (pids, plp), new_kv = _prefill_topk(runner.graphdef, runner.params, jnp.asarray(x), cache, k=k)
+    cache = commit(cache, new_kv, jnp.zeros((B,), jnp.int32))
+    ids = np.zeros((B, T, k), np.int32)
+    lp = np.full((B, T, k), -np.inf, np.float16)
+    pids, plp = np.asarray(pids), np.asarray(plp)
+    rows = np.arange(B)
+    for i in range(B):  # positions < prompt length (the last one predicts the first response token)
+        ids[i, :plen[i]], lp[i, :plen[i]] = pids[i, :plen[i]], plp[i, :plen[i]]
+    first = jnp.asarray(pids[rows, plen - 1, 0])
+    if temperature > 0:  # sample the first token too
+        first = next_token(jnp.asarray(_dense_logits(pids[rows, plen - 1], plp[rows, plen - 1],
+                                                     runner.config.vocab_size)),
+                           jnp.full((B,), temperature), jnp.zeros((B,), jnp.int32),
+                           jnp.full((B,), 0.95), jax.random.split(jax.random.key(seed), B))
+    tok, lengths = np.asarray(first, np.int32), plen.copy()
+    out = [[int(t)] for t in tok]
+    done = np.isin(tok, stop_ids)
+    key = jax.random.key(seed + 1)
+    for step in range(cfg.max_new_tokens - 1):
+        if done.all():
+            break
+        (sids, slp), nxt, new_kv = _decode_topk(runner.graphdef, runner.params, jnp.asarray(tok),
+                                                 jnp.asarray(lengths), cache,
+                                                 jax.random.fold_in(key, step), temperature, k=k)
+        cache = commit(cache, new_kv, jnp.asarray(lengths))
+        sids, slp, nxt = np.asarray(sids), np.asarray(slp), np.asarray(nxt)
+        live = ~done
+        ids[rows[live], lengths[live]], lp[rows[live], lengths[live]] = sids[live], slp[live]
+        lengths = np.where(live, lengths + 1, lengths)
+        tok = np.where(live, nxt, tok)
+        for i in np.flatnonzero(live):
+            out[i].append(int(nxt[i]))
+        done |= live & np.isin(nxt, stop_ids)
+    return [p + o for p, o in zip(prompts, out)], (ids, lp)
+
+
+def _dense_logits(top_ids, top_lp, vocab: int) -> np.ndarray:
+    """Logits that are the top-k log-probs and -inf elsewhere (sampling the first token from
+    the top-k is what top-p 0.95 nearly always keeps anyway)."""
+    dense = np.full((len(top_ids), vocab), -np.inf, np.float32)
+    np.put_along_axis(dense, top_ids, top_lp.astype(np.float32), axis=1)
+    return dense
 
 
 def corpus_chunks(tokenizer, cfg: DataConfig, out: Path) -> None:
@@ -129,7 +216,7 @@ def label(runner, tokens: np.ndarray, cfg: DataConfig, desc: str) -> tuple[np.nd
     empty = runner.new_cache(B, 1)  # a passed-in (not constant) cache: nothing to constant-fold
     for start in tqdm(range(0, N, B), desc=desc, unit="batch"):
         rows = np.arange(start, min(start + B, N))
-        width = 128 if lengths[rows].max() <= 128 else T
+        width = 128 if lengths[rows].max() <= 128 < T else T
         x = np.zeros((B, width), np.int32)
         x[:len(rows)] = tokens[rows, :width]
         i, l = _top_k(runner.graphdef, runner.params, jnp.asarray(x), empty, k=cfg.top_k)
@@ -151,19 +238,19 @@ def build(out: Path, cfg: DataConfig = DataConfig(), *, model: str = "smollm2") 
     generate_responses(llm, cfg, out)
     corpus_chunks(llm.tokenizer, cfg, out)
     parts = sorted(out.glob("gen_*.npz"))[:cfg.gen_batches] + [out / "corpus.npz"]
-    for part in parts:
-        labelled = part.with_name(part.stem + "_labels.npz")
-        if labelled.exists():
-            continue
-        with np.load(part) as d:
-            ids, lp = label(llm.runner, d["tokens"], cfg, f"target top-{cfg.top_k} ({part.stem})")
-        np.savez(labelled, top_ids=ids, top_lp=lp)
     arrays = {k: [] for k in ("tokens", "weight", "top_ids", "top_lp")}
     for part in parts:
-        with np.load(part) as d, np.load(part.with_name(part.stem + "_labels.npz")) as lab:
-            for k in ("tokens", "weight"):
-                arrays[k].append(d[k])
-            for k in ("top_ids", "top_lp"):
-                arrays[k].append(lab[k])
+        with np.load(part) as d:
+            shard = dict(d)
+        if "top_ids" not in shard:  # corpus text: labelled by a teacher-forced pass
+            labelled = part.with_name(part.stem + "_labels.npz")
+            if not labelled.exists():
+                ids, lp = label(llm.runner, shard["tokens"], cfg,
+                                f"target top-{cfg.top_k} ({part.stem})")
+                np.savez(labelled, top_ids=ids, top_lp=lp)
+            with np.load(labelled) as lab:
+                shard.update(top_ids=lab["top_ids"], top_lp=lab["top_lp"])
+        for k in arrays:
+            arrays[k].append(shard[k])
     np.savez(final, **{k: np.concatenate(v) for k, v in arrays.items()})
     return final

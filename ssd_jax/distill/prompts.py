@@ -97,6 +97,22 @@ INSTRUCTION_TEMPLATES = [
     "Describe {thing} in three sentences.",
     "Create a quiz question about {topic} with the answer.",
     "Write an email to a friend about {topic}.",
+    "What is {topic}?",
+    "How does {topic} work?",
+    "Tell me something surprising about {topic}.",
+    "I am curious about {topic}. Where should I start?",
+    "Write a product description for a book about {topic}.",
+    "What would happen if {topic} disappeared tomorrow?",
+    "Give {audience} a simple analogy for {topic}.",
+    "Write a dialogue between {thing} and {audience}.",
+    "What questions should I ask an expert on {topic}?",
+    "Write a short speech about {topic} for {audience}.",
+    "Make a packing list for a trip with {thing}.",
+    "Plan a one-day schedule for someone who wants to {skill}.",
+    "What mistakes do people make when they try to {skill}?",
+    "Write a thank-you note to {thing}.",
+    "Give me a motivational quote about {topic} and explain it.",
+    "Describe a typical day for {thing}.",
 ]
 CODE_TEMPLATES = [
     "Explain what this Python code does:\n```python\n{code}\n```",
@@ -109,6 +125,24 @@ PROSE_TEMPLATES = [
     "Rewrite this in modern English:\n{text}",
     "Continue this scene:\n{text}",
 ]
+
+
+ITEMS = ["pencils", "stickers", "oranges", "coins", "cookies", "marbles", "cards", "books"]
+MATH_TEMPLATES = [
+    "Calculate {a} * {b} + {c} and show your work.",
+    "I have {a} {item} and give {c} of them to each of {d} friends. How many do I have left?",
+    "What is {p}% of {a}? Explain the steps.",
+    "Solve for x: {d}x + {c} = {e}.",
+    "A box holds {d} {item}. How many boxes do I need for {a} {item}?",
+    "Is {a} a prime number? Explain why or why not.",
+]
+
+
+def math_prompt(rng: random.Random) -> str:
+    a, b, c, d = rng.randint(12, 240), rng.randint(2, 19), rng.randint(1, 9), rng.randint(2, 9)
+    return rng.choice(MATH_TEMPLATES).format(a=a, b=b, c=c, d=d, e=d * rng.randint(2, 30) + c,
+                                            p=rng.choice([5, 10, 15, 20, 25, 40, 75]),
+                                            item=rng.choice(ITEMS))
 
 
 def instruction_prompt(rng: random.Random) -> str:
@@ -135,8 +169,9 @@ def prose_prompt(texts: dict[str, str], rng: random.Random) -> str:
 
 
 def training_prompts(n: int, *, seed: int, cache_dir: Path,
-                     mix=(0.6, 0.25, 0.15)) -> list[str]:
-    """n user messages: instructions, code (train-half modules) and prose, in proportions `mix`."""
+                     mix=(0.55, 0.25, 0.1, 0.1)) -> list[str]:
+    """n user messages: instructions, code (train-half modules), prose and arithmetic, in
+    proportions `mix`."""
     rng = random.Random(seed)
     sources = stdlib_sources(training=True)
     texts = shakespeare_texts(cache_dir)
@@ -147,8 +182,10 @@ def training_prompts(n: int, *, seed: int, cache_dir: Path,
             out.append(instruction_prompt(rng))
         elif r < mix[0] + mix[1]:
             out.append(code_prompt(sources, rng))
-        else:
+        elif r < mix[0] + mix[1] + mix[2]:
             out.append(prose_prompt(texts, rng))
+        else:
+            out.append(math_prompt(rng))
     return out
 
 
