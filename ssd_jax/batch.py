@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +33,13 @@ class Batch:
     @property
     def size(self) -> int:
         return self.tokens.shape[0]
+
+    def place(self, sharding) -> "Batch":
+        """The batch's arrays put on `sharding` explicitly, so the decode programs never move
+        them implicitly (a run under jax.transfer_guard("disallow") stays legal)."""
+        return replace(self, **jax.device_put(
+            dict(tokens=self.tokens, prompt_len=self.prompt_len, sampling=self.sampling,
+                 stop_ids=self.stop_ids, max_new=self.max_new), sharding))
 
 
 def make_batch(ids: list[list[int]], params: list[SamplingParams], stops: list[list[int]],

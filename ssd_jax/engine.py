@@ -206,6 +206,8 @@ class LLM:
             return
         metrics = RunMetrics(mode=mode, batch=len(ids), sync_phases=self.engine.sync_phases,
                              k=self.spec.k if mode != "ar" else 0)
+        if self.split is not None:
+            batch = batch.place(self.split.target_replicated)
         cache = self.runner.new_cache(batch.size, seq_len)
         if mode == "ar":
             chunks = ar_loop(self.runner, batch, cache, metrics, self.engine.sync_every)

@@ -136,7 +136,7 @@ class ModelRunner:
     def prefill(self, tokens, prompt_len, cache, sampling, stop_ids, max_new):
         state, new_kv = prefill(self.graphdef, self.params, tokens, prompt_len, cache, sampling,
                                 stop_ids, max_new)
-        cache = commit(cache, new_kv, jnp.zeros_like(prompt_len))
+        cache = commit(cache, new_kv, prompt_len * 0)  # on prompt_len's devices, not device 0
         return state, cache
 
     def decode(self, state: DecodeState, cache: KVCache, sampling, stop_ids, max_new):

@@ -166,11 +166,12 @@ def draft_speculation(draft: ModelRunner, vocab, state: SpecState, cache: KVCach
 
 
 def spec_prefill(target: ModelRunner, draft: ModelRunner, vocab, batch: Batch,
-                 target_cache: KVCache, draft_cache: KVCache):
-    """Prefill both caches; the target samples the first token r."""
+                 target_cache: KVCache, draft_cache: KVCache, to_draft=lambda x: x):
+    """Prefill both caches; the target samples the first token r. `to_draft` moves the
+    prompt to the draft's devices (explicitly: see Batch.place)."""
     ar_state, target_cache = target.prefill(batch.tokens, batch.prompt_len, target_cache,
                                             batch.sampling, batch.stop_ids, batch.max_new)
-    draft_cache = draft.fill(draft_in(vocab, batch.tokens), draft_cache)
+    draft_cache = draft.fill(draft_in(vocab, to_draft(batch.tokens)), draft_cache)
     prev = jnp.take_along_axis(batch.tokens, (batch.prompt_len - 1)[:, None], 1)[:, 0]
     state = SpecState(prev=prev, last=ar_state.tokens, lengths=ar_state.lengths,
                       generated=ar_state.generated, done=ar_state.done)
@@ -184,11 +185,13 @@ def sd_loop(target: ModelRunner, draft: ModelRunner, vocab, batch: Batch,
     t0 = time.perf_counter()
     state, target_cache, draft_cache = spec_prefill(target, draft, vocab, batch, target_cache,
                                                     draft_cache)
+    # Built from a state array, so it lives on the target's devices (a fresh jnp.zeros would
+    # sit on device 0 and be copied to the mesh every round).
+    no_point_mass = state.done & False
     first = np.asarray(state.last)
     metrics.ttft_s = time.perf_counter() - t0
     yield [[int(t)] for t in first[:batch.n]]
     hist = np.zeros(k + 1, np.int64)
-    no_point_mass = jnp.zeros((batch.size,), bool)
     t1 = time.perf_counter()
     while True:
         rounds = []

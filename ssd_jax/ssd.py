@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Iterator
 
 import jax
@@ -37,6 +38,15 @@ advance_jit = jax.jit(advance)
 
 def _mean_tokens(hist: np.ndarray) -> float | None:
     return float((hist * (np.arange(len(hist)) + 1)).sum() / hist.sum()) if hist.sum() else None
+
+
+@partial(jax.jit, static_argnames=("seq_len",))
+def _init_history(tokens, lengths, last, seq_len: int):
+    """Each row's tokens so far (prompt + r) in a [B, seq_len] buffer for the n-gram backup;
+    built inside one program on the draft's devices."""
+    B, T = tokens.shape
+    history = jnp.zeros((B, seq_len), jnp.int32).at[:, :T].set(tokens)
+    return history.at[jnp.arange(B), lengths].set(last)
 
 
 @jax.jit
@@ -119,7 +129,7 @@ def ssd_loop(target: ModelRunner, draft: ModelRunner, vocab, batch: Batch,
 
     t0 = time.perf_counter()
     state_t, target_cache, draft_cache = spec_prefill(target, draft, vocab, batch, target_cache,
-                                                      draft_cache)
+                                                      draft_cache, placement.to_draft)
     first = np.asarray(state_t.last)
     metrics.ttft_s = time.perf_counter() - t0
     yield [[int(x)] for x in first[:batch.n]]
@@ -129,8 +139,7 @@ def ssd_loop(target: ModelRunner, draft: ModelRunner, vocab, batch: Batch,
                                                         batch.max_new))
     state_d = placement.to_draft(state_t)
     S = target_cache.seq_len
-    history = jnp.zeros((B, S), jnp.int32).at[:, :batch.tokens.shape[1]].set(batch.tokens)
-    history = placement.to_draft(history.at[jnp.arange(B), state_t.lengths].set(state_t.last))
+    history = _init_history(placement.to_draft(batch.tokens), state_d.lengths, state_d.last, S)
 
     def lists():
         prim = np.tile(fan_model.primary(), (B, 1)).astype(np.int32)
