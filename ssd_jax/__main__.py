@@ -23,6 +23,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", default="ssd", choices=["ar", "sd", "ssd"])
     ap.add_argument("--k", type=int, default=None, help="lookahead (default: SpecConfig's)")
     ap.add_argument("--driver", default="auto", choices=["auto", "single", "processes"])
+    ap.add_argument("--mesh", default=None, metavar="NT,ND",
+                    help="target devices, draft devices (e.g. 7,1 on an 8-GPU node)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -32,8 +34,14 @@ def main(argv=None) -> int:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_p=args.top_p, seed=args.seed)
         spec = SpecConfig() if args.k is None else SpecConfig(k=args.k)
+        mesh = None
+        if args.mesh:
+            try:
+                mesh = tuple(int(x) for x in args.mesh.split(","))
+            except ValueError:
+                raise ValueError(f"--mesh {args.mesh!r}: give two integers, e.g. --mesh 4,1")
         llm = LLM(args.model, draft=None if args.mode == "ar" else args.draft, spec=spec,
-                  engine=EngineConfig(driver=args.driver))
+                  engine=EngineConfig(driver=args.driver, mesh=mesh))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -149,9 +149,13 @@ class EngineConfig:
     sync_phases: bool = False  # SD/SSD: block between draft and verify to time each phase
     mesh: tuple[int, int] | None = None  # (target devices, draft devices); None: default device
     driver: str = "auto"  # SSD: "single" (one process) | "processes" (draft in its own process)
+    # "processes" driver: CPU devices per worker process. Each side is tensor-parallel over its
+    # process's devices (the layout of a GPU host per side); 1 is fastest on a CPU.
+    worker_devices: int = 1
 
     def __post_init__(self):
-        for name in ("max_batch", "max_seq_len", "prefill_bucket", "sync_every"):
+        for name in ("max_batch", "max_seq_len", "prefill_bucket", "sync_every",
+                     "worker_devices"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: it must be >= 1")
         if self.mesh is not None and (len(self.mesh) != 2 or min(self.mesh) < 1):

@@ -22,6 +22,7 @@ from ssd_jax.metrics import RunMetrics
 from ssd_jax.models.transformer import Transformer
 from ssd_jax.runner import ModelRunner
 from ssd_jax.sd import sd_loop
+from ssd_jax import distributed
 from ssd_jax.sharding import split_devices
 from ssd_jax.ssd import Placement, ssd_loop
 
@@ -45,6 +46,21 @@ def vocab_from_extra(extra: dict):
     return VocabMap.from_dict(extra["vocab_map"])
 
 
+def _check_addressable(split, mesh) -> None:
+    """The decode loops drive their meshes from this process: refuse a split that spans
+    devices of other processes (a multi-host job) with the ways that do work."""
+    if split is None or jax.process_count() == 1:
+        return
+    foreign = [d for m in (split.target, split.draft) for d in m.devices.flat
+               if d.process_index != jax.process_index()]
+    if foreign:
+        raise NotImplementedError(
+            f"mesh={mesh} spans {len(foreign)} devices of other processes: decode loops over "
+            f"several hosts are not implemented yet. Use a mesh within this process's "
+            f"{jax.local_device_count()} devices, or set SSD_JAX_DISTRIBUTED=0 and run one "
+            f"engine per host")
+
+
 class LLM:
     """A target model (and later a draft) loaded once, with its tokenizer and jitted programs.
 
@@ -57,6 +73,7 @@ class LLM:
                  tokenizer: Tokenizer | None = None, dtype: str = "float32",
                  spec: SpecConfig = SpecConfig(), engine: EngineConfig = EngineConfig(),
                  cache_dir: Path | None = None):
+        distributed.initialize()  # multi-host jobs: join before any device is touched
         # Names/paths let worker processes load the same models (the "processes" driver).
         self.paths = (None if isinstance(model, Transformer) else str(model),
                       None if draft is None or isinstance(draft, Transformer) else str(draft))
@@ -68,6 +85,7 @@ class LLM:
                                                  progress=True)
         self.engine, self.spec = engine, spec
         self.split = split_devices(*engine.mesh) if engine.mesh else None
+        _check_addressable(self.split, engine.mesh)
         self.runner = ModelRunner(self.model, self.split and self.split.target)
         self.config = self.model.config
         self.draft_runner, self.vocab = None, None
@@ -174,7 +192,8 @@ class LLM:
     def _run_in_workers(self, ids, params, mode, seq_len):
         from ssd_jax.pool import WorkerPool
         if self.pool is None:
-            self.pool = WorkerPool(self.paths[0], self.paths[1], dtype=self.dtype)
+            self.pool = WorkerPool(self.paths[0], self.paths[1], dtype=self.dtype,
+                                   devices_per_worker=self.engine.worker_devices)
         request = dict(mode=mode, ids=ids, params=[asdict(p) for p in params],
                        stops=[self._stop_ids(p) for p in params],
                        prefill_bucket=self.engine.prefill_bucket, spec=asdict(self.spec),

@@ -30,7 +30,7 @@ from ssd_jax.models.transformer import KVCache, commit
 from ssd_jax.runner import ModelRunner, _is_stop
 from ssd_jax.sd import SpecState, draft_in, verify_round
 from ssd_jax.speed import BackupChooser
-from ssd_jax.ssd import SSDStats, _mean_tokens, _record_emitted, advance_jit
+from ssd_jax.ssd import SSDStats, _init_history, _mean_tokens, _record_emitted, advance_jit
 
 TARGET, DRAFT = 0, 1
 
@@ -38,18 +38,22 @@ TARGET, DRAFT = 0, 1
 class Exchange:
     """Swap equal-shaped buffers between process 0 (target) and process 1 (draft).
 
+    Each process may own several devices (a tensor-parallel target slice, a draft host): the
+    swap runs between the two processes' first devices, and what arrives is put, explicitly,
+    on `local` (this side's replicated sharding) so this side's programs can read it.
     A round trip costs one small collective (~1.3 ms on localhost with gloo, measured); the
     device arrays never pass through the host on GPU/TPU interconnects.
     """
 
-    def __init__(self):
-        devices = jax.devices()
-        if len(devices) != 2 or jax.process_count() != 2:
-            raise RuntimeError(f"the multi-controller exchange needs 2 processes with one device "
-                               f"each, found {jax.process_count()} processes and "
-                               f"{len(devices)} devices")
-        self.mesh = Mesh(np.array(devices), ("p",))
-        self.local = jax.local_devices()[0]
+    def __init__(self, local: jax.sharding.Sharding | None = None):
+        if jax.process_count() != 2:
+            raise RuntimeError(f"the multi-controller exchange needs 2 processes (target, draft), "
+                               f"found {jax.process_count()}")
+        leads = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+                 for p in range(2)]
+        self.mesh = Mesh(np.array(leads), ("p",))
+        self.lead = leads[jax.process_index()]
+        self.local = local
         self.sharding = NamedSharding(self.mesh, P("p"))
 
         @jax.jit
@@ -59,10 +63,14 @@ class Exchange:
 
         self._swap = swap
 
+    def place(self, tree):
+        """This side's arrays (created on its default device) onto its devices."""
+        return tree if self.local is None else jax.device_put(tree, self.local)
+
     def swap(self, x: jax.Array) -> jax.Array:
-        x = jax.device_put(jnp.asarray(x).reshape(1, -1), self.local)
+        x = jax.device_put(jnp.asarray(x).reshape(1, -1), self.lead)
         g = jax.make_array_from_single_device_arrays((2, x.shape[1]), self.sharding, [x])
-        return self._swap(g).addressable_shards[0].data[0]
+        return self.place(self._swap(g).addressable_shards[0].data[0])
 
 
 def _pack_outcome(n, t):
@@ -99,15 +107,15 @@ def target_loop(target: ModelRunner, batch: Batch, cache: KVCache, spec: SpecCon
     metrics.ttft_s = time.perf_counter() - t0
     yield [[int(x)] for x in first[:batch.n]]
 
-    spec_zeros = jnp.zeros((B * K + 2 * B,), jnp.int32)
-    q_zeros = None if greedy else jnp.zeros((B * K * vocab_size,), jnp.float32)
+    spec_zeros = ex.place(jnp.zeros((B * K + 2 * B,), jnp.int32))
+    q_zeros = None if greedy else ex.place(jnp.zeros((B * K * vocab_size,), jnp.float32))
 
     def receive():
         tokens, pm, hit = _unpack_spec(ex.swap(spec_zeros), B, K)
         q = None if greedy else ex.swap(q_zeros).reshape(B, K, vocab_size)
         return tokens, q, pm, hit
 
-    ex.swap(_pack_outcome(jnp.full((B,), -1, jnp.int32), state.last))
+    ex.swap(_pack_outcome(ex.place(jnp.full((B,), -1, jnp.int32)), state.last))
     tokens, q, pm, hit = receive()
     exposed = 0.0
     t1 = time.perf_counter()
@@ -148,19 +156,18 @@ def draft_loop(draft: ModelRunner, vocab, batch: Batch, cache: KVCache, spec: Sp
     c = jnp.float32(spec.c)
     fan_model = FanoutModel(spec.fanout, K, M)
     cache = draft.fill(draft_in(vocab, batch.tokens), cache)
-    _, r = _unpack_outcome(ex.swap(jnp.zeros((2 * B,), jnp.int32)), B)
+    zeros = ex.place(jnp.zeros((2 * B,), jnp.int32))
+    _, r = _unpack_outcome(ex.swap(zeros), B)
     prev = jnp.take_along_axis(batch.tokens, (batch.prompt_len - 1)[:, None], 1)[:, 0]
     # The same first-token bookkeeping as the target's prefill (runner.prefill).
-    state = SpecState(prev, r, batch.prompt_len, jnp.ones((B,), jnp.int32),
+    state = SpecState(prev, r, batch.prompt_len, batch.prompt_len * 0 + 1,
                       _is_stop(r, batch.stop_ids) | (batch.max_new <= 1))
-    S = cache.seq_len
-    history = jnp.zeros((B, S), jnp.int32).at[:, :batch.tokens.shape[1]].set(batch.tokens)
-    history = history.at[jnp.arange(B), state.lengths].set(r)
+    history = _init_history(batch.tokens, state.lengths, r, cache.seq_len)
 
     def lists():
         prim = np.tile(fan_model.primary(), (B, 1)).astype(np.int32)
         fast = np.tile(fan_model.after_fast_backup(), (B, 1)).astype(np.int32)
-        return jnp.asarray(prim), jnp.asarray(fast)
+        return ex.place((jnp.asarray(prim), jnp.asarray(fast)))
 
     def send(tokens, q, pm, hit):
         ex.swap(_pack_spec(tokens, pm, hit))
@@ -173,8 +180,8 @@ def draft_loop(draft: ModelRunner, vocab, batch: Batch, cache: KVCache, spec: Sp
     hits = rounds_seen = 0
     tokens_on_hit = np.zeros(K + 1)
     primary, fast_list = lists()
-    spec_cache = empty_cache(B, M, K, None if greedy else vocab_size)
-    none = jnp.full((B,), -1, jnp.int32)
+    spec_cache = ex.place(empty_cache(B, M, K, None if greedy else vocab_size))
+    none = ex.place(jnp.full((B,), -1, jnp.int32))
     tokens, q, pm, hit, _ = select(draft.graphdef, draft.params, vocab, state, spec_cache, none,
                                    none, history, cache, batch.sampling, primary, c, backup,
                                    greedy, K, fmax)
@@ -191,7 +198,7 @@ def draft_loop(draft: ModelRunner, vocab, batch: Batch, cache: KVCache, spec: Sp
             cache = commit(cache, glue_kv, state.lengths)
             spec_cache.tokens.block_until_ready()
             build_s += time.perf_counter() - tb
-            n, t = _unpack_outcome(ex.swap(jnp.zeros((2 * B,), jnp.int32)), B)
+            n, t = _unpack_outcome(ex.swap(zeros), B)
             new_state, out = advance_jit(state, tokens, n, t, batch.stop_ids, batch.max_new)
             history = _record_emitted(history, state.lengths, out, n, state.done)
             tokens, q, pm, hit, rank = select(

@@ -32,13 +32,16 @@ class WorkerError(RuntimeError):
 
 class WorkerPool:
     def __init__(self, target: str, draft: str, *, dtype: str = "float32",
-                 cores: tuple[int, int] | None = None, start_timeout: float = 600.0):
+                 cores: tuple[int, int] | None = None, start_timeout: float = 600.0,
+                 devices_per_worker: int = 1):
         self.target, self.draft, self.dtype = str(target), str(draft), dtype
+        self.devices_per_worker = devices_per_worker
         n = os.cpu_count() or 1
         self.cores = cores if cores is not None else ((0, 1) if n >= 2 else (None, None))
         self.start_timeout = start_timeout
         self.procs: dict[str, subprocess.Popen] = {}
         self.conns: dict = {}
+        self.layout: dict[str, dict] = {}  # role -> its devices and sharding, as reported
 
     def start(self) -> None:
         if self.procs:
@@ -48,7 +51,10 @@ class WorkerPool:
         address = "%s:%d" % listener.address
         coordinator = f"127.0.0.1:{_free_port()}"
         env = dict(os.environ, SSD_JAX_WORKER_KEY=key, JAX_PLATFORMS="cpu")
-        env.pop("XLA_FLAGS", None)  # one CPU device per worker process
+        env.pop("XLA_FLAGS", None)  # one CPU device per worker process, unless asked
+        if self.devices_per_worker > 1:
+            env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count="
+                                f"{self.devices_per_worker}")
         print(f"[ssd_jax] starting target and draft worker processes (cores {self.cores}) ...",
               file=sys.stderr, flush=True)
         atexit.register(self.close)
@@ -73,10 +79,11 @@ class WorkerPool:
                 if not conn.poll(max(deadline - time.monotonic(), 0)):
                     raise WorkerError("worker processes did not become ready in "
                                       f"{self.start_timeout:.0f}s")
-                kind, payload = conn.recv()
+                kind, payload, *info = conn.recv()
                 if kind != "ready":
                     raise WorkerError(f"worker failed to start:\n{payload}")
                 self.conns[payload] = conn
+                self.layout[payload] = info[0] if info else {}
         except BaseException:
             self.close()
             raise

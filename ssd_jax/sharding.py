@@ -68,8 +68,14 @@ class DeviceSplit:
         return NamedSharding(self.draft, P())
 
 
-def split_devices(n_target: int, n_draft: int, devices=None) -> DeviceSplit:
-    devices = list(devices if devices is not None else jax.devices())
+def plan_split(devices, n_target: int, n_draft: int) -> tuple[list, list]:
+    """Which devices the target and the draft get (disjoint).
+
+    Devices are ordered by (host, id). On one host the target takes the first n_target and the
+    draft the next n_draft. On several hosts the draft gets whole hosts from the end whenever
+    n_draft is a multiple of the devices per host, so its programs and the target's never share
+    a host (or its host-to-device links); otherwise it takes the last n_draft devices."""
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
     if n_target < 1 or n_draft < 1:
         raise ValueError(f"device split {n_target}+{n_draft} is invalid: each side needs >= 1")
     if n_target + n_draft > len(devices):
@@ -77,8 +83,24 @@ def split_devices(n_target: int, n_draft: int, devices=None) -> DeviceSplit:
             f"device split {n_target} target + {n_draft} draft needs {n_target + n_draft} "
             f"devices, only {len(devices)} are visible: lower the split, or on CPU set "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={n_target + n_draft}")
-    return DeviceSplit(Mesh(np.array(devices[:n_target]), (TP,)),
-                       Mesh(np.array(devices[n_target:n_target + n_draft]), (TP,)))
+    hosts: dict[int, list] = {}
+    for d in devices:
+        hosts.setdefault(d.process_index, []).append(d)
+    if len(hosts) == 1:
+        return devices[:n_target], devices[n_target:n_target + n_draft]
+    per_host = {len(v) for v in hosts.values()}
+    if len(per_host) == 1 and n_draft % (size := per_host.pop()) == 0:
+        whole = list(hosts.values())
+        draft_hosts = whole[len(whole) - n_draft // size:]
+        rest = [d for h in whole[:len(whole) - n_draft // size] for d in h]
+        return rest[:n_target], [d for h in draft_hosts for d in h]
+    return devices[:n_target], devices[len(devices) - n_draft:]
+
+
+def split_devices(n_target: int, n_draft: int, devices=None) -> DeviceSplit:
+    target, draft = plan_split(list(devices if devices is not None else jax.devices()),
+                               n_target, n_draft)
+    return DeviceSplit(Mesh(np.array(target), (TP,)), Mesh(np.array(draft), (TP,)))
 
 
 def _names(key_path) -> tuple[str, ...]:

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
         jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=2,
                                    process_id=role_id, initialization_timeout=120)
         server = _Server(args, conn)
-        conn.send(("ready", args.role))
+        conn.send(("ready", args.role, server.layout()))
         server.serve()
     except (EOFError, KeyboardInterrupt):
         return 0
@@ -66,21 +66,38 @@ def main(argv=None) -> int:
 
 class _Server:
     def __init__(self, args, conn):
+        import jax
+        import numpy as np
+        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import PartitionSpec as P
+        from ssd_jax.sharding import TP
         from ssd_jax.engine import vocab_from_extra
         from ssd_jax.loading import load
         from ssd_jax.multihost import Exchange
         from ssd_jax.runner import ModelRunner
         self.role, self.conn = args.role, conn
+        # This side's devices: every local device, tensor-parallel (a GPU host per side); with
+        # one device the runners keep the plain single-device path.
+        local = jax.local_devices()
+        self.mesh = Mesh(np.array(local), (TP,)) if len(local) > 1 else None
+        self.replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
         draft, _, extra = load(args.draft, dtype=args.dtype)
         self.vocab = vocab_from_extra(extra)
-        self.draft = ModelRunner(draft)
+        self.draft = ModelRunner(draft, self.mesh)
         self.target = None
         if self.role == "target":
-            self.target = ModelRunner(load(args.target, dtype=args.dtype)[0])
+            self.target = ModelRunner(load(args.target, dtype=args.dtype)[0], self.mesh)
         self.vocab_size = (self.target.config.vocab_size if self.target is not None else
                            (self.vocab.target_size if self.vocab is not None
                             else draft.config.vocab_size))
-        self.exchange = Exchange()
+        self.exchange = Exchange(self.replicated)
+
+    def layout(self) -> dict:
+        """This side's devices and how its model's MLP is split (for checks and logs)."""
+        runner = self.target if self.target is not None else self.draft
+        kernel = runner.params["layers"][0]["mlp"]["gate_proj"]["kernel"].value
+        return {"devices": len(self.mesh.devices.flat) if self.mesh is not None else 1,
+                "mlp_columns_per_device": kernel.addressable_shards[0].data.shape[1]}
 
     def serve(self):
         while True:
@@ -98,6 +115,8 @@ class _Server:
         from ssd_jax.sd import sd_loop
         params = [SamplingParams(**p) for p in req["params"]]
         batch = make_batch(req["ids"], params, req["stops"], req["prefill_bucket"])
+        if self.replicated is not None:
+            batch = batch.place(self.replicated)
         spec = SpecConfig(**req["spec"])
         mode, seq_len, sync_every = req["mode"], req["seq_len"], req["sync_every"]
         if self.role == "draft":

@@ -128,3 +128,91 @@ def test_eight_devices_tp4_and_tp2_targets_with_draft_on_the_rest(tiny_llama, tm
                                                 target_shard_cols=80)
     assert len(result) == 12 and all(v["equal"] for v in result.values()), result
     assert all(v["loop_compiles"] == 0 for v in result.values()), result
+
+
+def test_split_gives_the_draft_whole_hosts():
+    from collections import namedtuple
+    import pytest
+    from ssd_jax.sharding import plan_split
+    Dev = namedtuple("Dev", "id process_index")
+    pod = [Dev(8 * h + i, h) for h in range(4) for i in range(8)][::-1]  # any order in
+    target, draft = plan_split(pod, 24, 8)
+    assert {d.process_index for d in draft} == {3} and len(draft) == 8
+    assert {d.process_index for d in target} == {0, 1, 2} and len(target) == 24
+    target, draft = plan_split(pod, 16, 16)  # two draft hosts
+    assert {d.process_index for d in draft} == {2, 3}
+    assert [d.id for d in target] == list(range(16))
+    target, draft = plan_split(pod, 8, 8)  # spare hosts stay idle, the draft still gets one
+    assert {d.process_index for d in draft} == {3} and {d.process_index for d in target} == {0}
+    target, draft = plan_split(pod, 30, 2)  # not a whole host: the last two devices
+    assert [d.id for d in draft] == [30, 31] and not {d.id for d in target} & {30, 31}
+    one_host = [Dev(i, 0) for i in range(8)]
+    target, draft = plan_split(one_host, 4, 2)
+    assert [d.id for d in target] == [0, 1, 2, 3] and [d.id for d in draft] == [4, 5]
+    with pytest.raises(ValueError, match="needs 33 devices"):
+        plan_split(pod, 32, 1)
+
+
+def test_distributed_start_up_reads_the_environment():
+    import pytest
+    from ssd_jax.distributed import ClusterEnv, detect
+    assert detect({}) is None
+    assert detect({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}) is None  # one task: single process
+    env = {"SSD_JAX_COORDINATOR": "10.0.0.1:1234", "SSD_JAX_NUM_PROCESSES": "4",
+           "SSD_JAX_PROCESS_ID": "2"}
+    assert detect(env) == ClusterEnv("environment", "10.0.0.1:1234", 4, 2)
+    assert detect({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2",
+                   "JAX_PROCESS_ID": "0"}) == ClusterEnv("environment", "h:1", 2, 0)
+    assert detect({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16"}) == ClusterEnv("slurm")
+    assert detect({"OMPI_COMM_WORLD_SIZE": "2"}) == ClusterEnv("open-mpi")
+    assert detect({"TPU_WORKER_HOSTNAMES": "t0,t1,t2,t3"}) == ClusterEnv("cloud-tpu")
+    assert detect({"TPU_WORKER_HOSTNAMES": "t0"}) is None  # a single-host slice
+    assert detect({**env, "SSD_JAX_DISTRIBUTED": "0"}) is None
+    with pytest.raises(ValueError, match="SSD_JAX_PROCESS_ID"):
+        detect({"SSD_JAX_COORDINATOR": "h:1", "SSD_JAX_NUM_PROCESSES": "2"})
+    with pytest.raises(ValueError, match="outside 0..1"):
+        detect({**env, "SSD_JAX_NUM_PROCESSES": "2", "SSD_JAX_PROCESS_ID": "2"})
+
+
+MULTIHOST = textwrap.dedent('''
+    import json
+    from ssd_jax import distributed
+    assert distributed.initialize()  # from SSD_JAX_* in the environment, before any JAX use
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from ssd_jax.sharding import split_devices
+    split = split_devices(2, 2)
+    # a real cross-process collective over all 4 devices of the 2 "hosts"
+    ids = multihost_utils.process_allgather(np.array([jax.process_index()]))
+    print("RESULT" + json.dumps(dict(
+        processes=jax.process_count(), devices=len(jax.devices()),
+        local=len(jax.local_devices()), gathered=np.asarray(ids).ravel().tolist(),
+        target_hosts=sorted({d.process_index for d in split.target.devices.flat}),
+        draft_hosts=sorted({d.process_index for d in split.draft.devices.flat}))))
+''')
+
+
+def test_two_hosts_start_from_the_environment_and_the_draft_gets_a_host():
+    """Two processes with two CPU devices each, started only with SSD_JAX_* variables (as a
+    launcher would on two hosts), form one 4-device job; the draft gets the second host."""
+    import json
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for pid in range(2):
+        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+                   JAX_PLATFORMS="cpu", SSD_JAX_COORDINATOR=f"127.0.0.1:{port}",
+                   SSD_JAX_NUM_PROCESSES="2", SSD_JAX_PROCESS_ID=str(pid))
+        procs.append(subprocess.Popen([sys.executable, "-c", MULTIHOST], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.split("RESULT")[1]))
+    for r in outs:
+        assert r == dict(processes=2, devices=4, local=2, gathered=[0, 1], target_hosts=[0],
+                         draft_hosts=[1]), r

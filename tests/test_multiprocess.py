@@ -52,6 +52,24 @@ def test_two_process_ssd_equals_ar(paths):
     assert _alive(pids) == []
 
 
+def test_two_processes_with_two_devices_each_equal_one_device_ar(paths):
+    """The pod layout in miniature: each side is a process with its own 2-device mesh (the
+    target tensor-parallel over its two), exchanging through the processes' lead devices."""
+    target, draft = paths
+    p = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    want = [o.token_ids for o in LLM(target).generate(PROMPTS, p, mode="ar", chat=False)]
+    llm = LLM(target, draft=draft, spec=SpecConfig(k=3, budget=8),
+              engine=EngineConfig(max_batch=4, max_seq_len=256, prefill_bucket=16,
+                                  driver="processes", worker_devices=2))
+    with llm:
+        for mode in ("ssd", "sd", "ar"):
+            got = [o.token_ids for o in llm.generate(PROMPTS, p, mode=mode, chat=False)]
+            assert got == want, mode
+        # intermediate size 160: the target splits it over its two devices
+        assert llm.pool.layout["target"] == {"devices": 2, "mlp_columns_per_device": 80}
+        assert llm.pool.layout["draft"]["devices"] == 2
+
+
 def test_worker_failure_is_reported_and_cleaned_up(paths, tmp_path):
     bad = tmp_path / "missing"
     llm = LLM(paths[0], draft=paths[1], spec=SpecConfig(k=2),
