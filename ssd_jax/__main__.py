@@ -23,6 +23,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", default="ssd", choices=["ar", "sd", "ssd"])
     ap.add_argument("--k", type=int, default=None, help="lookahead (default: SpecConfig's)")
     ap.add_argument("--driver", default="auto", choices=["auto", "single", "processes"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="weights and compute (bfloat16 on GPU/TPU; float32 is faster on CPU)")
     ap.add_argument("--mesh", default=None, metavar="NT,ND",
                     help="target devices, draft devices (e.g. 7,1 on an 8-GPU node)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -41,7 +43,7 @@ def main(argv=None) -> int:
             except ValueError:
                 raise ValueError(f"--mesh {args.mesh!r}: give two integers, e.g. --mesh 4,1")
         llm = LLM(args.model, draft=None if args.mode == "ar" else args.draft, spec=spec,
-                  engine=EngineConfig(driver=args.driver, mesh=mesh))
+                  dtype=args.dtype, engine=EngineConfig(driver=args.driver, mesh=mesh))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
