@@ -66,7 +66,7 @@ def greedy_matches(draft: DraftModel, prompts_ids, answers) -> list[np.ndarray]:
     return out
 
 
-def decode_latency(model, *, cache_len: int = 512, prefix: int = 256, reps: int = 50) -> float:
+def decode_latency(model, *, cache_len: int = 512, prefix: int = 256, reps: int = 100) -> float:
     """Median seconds of one batch-1 decode step (forward + commit), after warm-up."""
     runner = ModelRunner(model)
     cache = runner.new_cache(1, cache_len)
