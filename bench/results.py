@@ -137,6 +137,26 @@ def detail_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def phase_table(results: dict) -> str:
+    """Per-round phase times of the speculative cells (what the speed model is built from):
+    SD drafts then verifies; SSD builds its cache while the target verifies, and only the
+    target's wait for the next speculation (select/backup + exchange) is exposed."""
+    rows = [c for c in results["cells"] if c.get("phases") and c["mode"] in ("sd", "ssd")]
+    if not rows:
+        return ""
+    lines = ["| suite | mode | rounds | verify ms | draft ms (SD) | cache build ms (SSD, overlapped) "
+             "| exposed draft ms | exposed / verify |", "|" + "---|" * 8]
+    for c in rows:
+        p = c["phases"]
+        exposed = p.get("t_draft") if c["mode"] == "sd" else p.get("t_exposed")
+        lines.append("| " + " | ".join([
+            c["suite"], LABELS.get(c["mode"], c["mode"]), str(p["rounds"]),
+            _f(1e3 * p["t_verify"]), _f(p.get("t_draft") and 1e3 * p["t_draft"]),
+            _f(p.get("t_build") and 1e3 * p["t_build"]), _f(exposed and 1e3 * exposed),
+            _f(exposed and exposed / p["t_verify"], "{:.0%}")]) + " |")
+    return "\n".join(lines)
+
+
 def machine_line(results: dict) -> str:
     m, cfg = results["machine"], results["config"]
     vers = ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v)
@@ -164,6 +184,9 @@ def section(results: dict, plot_dir: str | None = None) -> str:
            f"Command: `{results['command']}`", "", summary_table(results), ""]
     for note in results.get("notes", []):
         out += [f"- {note}"]
+    phases = phase_table(results)
+    if phases:
+        out += ["", "Per-round phases (means):", "", phases]
     out += ["", "<details><summary>All cells</summary>", "", detail_table(results), "",
             "</details>", ""]
     for png in results.get("plots", []):
