@@ -212,7 +212,8 @@ def test_two_hosts_start_from_the_environment_and_the_draft_gets_a_host():
     for p in procs:
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
-        outs.append(json.loads(out.split("RESULT")[1]))
+        # only the RESULT line: gloo prints its own lines to stdout too
+        outs.append(json.loads(out.split("RESULT")[1].splitlines()[0]))
     for r in outs:
         assert r == dict(processes=2, devices=4, local=2, gathered=[0, 1], target_hosts=[0],
                          draft_hosts=[1]), r
