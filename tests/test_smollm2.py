@@ -90,3 +90,25 @@ def test_sd_and_ssd_equal_ar_on_smollm2_with_shipped_draft(smollm2_pair):
     ssd = smollm2_pair.generate(prompts, p, mode="ssd")
     assert [o.token_ids for o in ssd] == want
     assert ssd[0].metrics.ssd.hits > 0
+
+
+@pytest.mark.slow
+def test_default_pair_in_worker_processes_equals_ar_on_every_suite():
+    """`make test-slow`: the embedded default pair the way the CLI runs it on CPU (pinned worker
+    processes), one prompt from each bench suite in one batch, 128 greedy tokens, every backup
+    and the adaptive fan-outs: SSD equals AR token for token."""
+    from bench import suites
+    from ssd_jax import LLM, EngineConfig
+    from ssd_jax.config import SpecConfig
+    prompts = [suites.load_suite(s, 1, seed=0)[0].text
+               for s in ("code", "math", "instructions", "chat")]
+    p = SamplingParams(max_new_tokens=128, ignore_eos=True)
+    ref = LLM("smollm2", engine=EngineConfig(max_batch=4, max_seq_len=1024))
+    want = [o.token_ids for o in ref.generate(prompts, p, mode="ar")]
+    for backup, fanout in (("neural", "geometric"), ("fast", "empirical"), ("auto", "uniform")):
+        llm = LLM("smollm2", draft="smollm2-draft", spec=SpecConfig(backup=backup, fanout=fanout),
+                  engine=EngineConfig(max_batch=4, max_seq_len=1024, driver="processes"))
+        with llm:
+            out = llm.generate(prompts, p, mode="ssd")
+        assert [o.token_ids for o in out] == want, (backup, fanout)
+        assert out[0].metrics.ssd.hits > 0
