@@ -272,6 +272,8 @@ def main(argv=None) -> int:
         argv = argv[1:]
     try:
         args = parser().parse_args(argv)
+        from ssd_jax import distributed
+        distributed.initialize()  # multi-host jobs: before machine() or a model touches JAX
         results = run(args, argv)
     except BenchError as e:
         print(f"ssd-bench: error: {e}", file=sys.stderr)

@@ -160,6 +160,7 @@ def draft_loop(draft: ModelRunner, vocab, batch: Batch, cache: KVCache, spec: Sp
     _, r = _unpack_outcome(ex.swap(zeros), B)
     prev = jnp.take_along_axis(batch.tokens, (batch.prompt_len - 1)[:, None], 1)[:, 0]
     # The same first-token bookkeeping as the target's prefill (runner.prefill).
+    # (ones computed from prompt_len, so they live on this side's devices, not on device 0)
     state = SpecState(prev, r, batch.prompt_len, batch.prompt_len * 0 + 1,
                       _is_stop(r, batch.stop_ids) | (batch.max_new <= 1))
     history = _init_history(batch.tokens, state.lengths, r, cache.seq_len)

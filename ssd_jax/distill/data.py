@@ -84,7 +84,8 @@ def generate_responses(llm, cfg: DataConfig, out: Path) -> None:
 
 @partial(jax.jit, static_argnames=("graphdef", "k"))
 def _prefill_topk(graphdef, params, tokens, cache: KVCache, *, k: int):
-    """Every prompt position's top-k (the prompt is labelled too) and its K/V."""
+    """Teacher-forced top-k at every position, and the tokens' K/V (prompts of generated data
+    and corpus windows are labelled by this one program)."""
     B, T = tokens.shape
     no_prefix = jax.lax.optimization_barrier(jnp.zeros((B,), jnp.int32))  # see runner.prefill
     logits, new_kv = nnx.merge(graphdef, params)(
@@ -193,16 +194,6 @@ def _pack(seqs: list[list[int]], prompt_lens: list[int], T: int) -> dict:
     return {"tokens": tokens, "weight": weight}
 
 
-@partial(jax.jit, static_argnames=("graphdef", "k"))
-def _top_k(graphdef, params, tokens, empty: KVCache, *, k: int):
-    B, T = tokens.shape
-    model = nnx.merge(graphdef, params)
-    logits, _ = model(tokens, jnp.broadcast_to(jnp.arange(T), (B, T)), empty,
-                      jnp.zeros((B,), jnp.int32), causal_mask(B, T))
-    vals, ids = jax.lax.top_k(logits, k)
-    return ids, (vals - jax.nn.logsumexp(logits, axis=-1, keepdims=True)).astype(jnp.float16)
-
-
 def label(runner, tokens: np.ndarray, cfg: DataConfig, desc: str) -> tuple[np.ndarray, np.ndarray]:
     """The target's top-k next-token ids and log-probs at every position (teacher forcing).
 
@@ -219,7 +210,8 @@ def label(runner, tokens: np.ndarray, cfg: DataConfig, desc: str) -> tuple[np.nd
         width = 128 if lengths[rows].max() <= 128 < T else T
         x = np.zeros((B, width), np.int32)
         x[:len(rows)] = tokens[rows, :width]
-        i, l = _top_k(runner.graphdef, runner.params, jnp.asarray(x), empty, k=cfg.top_k)
+        (i, l), _ = _prefill_topk(runner.graphdef, runner.params, jnp.asarray(x), empty,
+                                  k=cfg.top_k)
         ids[rows, :width] = np.asarray(i)[:len(rows)]
         lp[rows, :width] = np.asarray(l)[:len(rows)]
     return ids, lp
