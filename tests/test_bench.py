@@ -96,7 +96,10 @@ def test_code_suite_uses_only_held_out_modules():
 def test_hand_written_prompts_are_not_training_templates():
     from ssd_jax.distill import prompts as train
     words = {"topic": train.TOPICS, "topic2": train.TOPICS, "audience": train.AUDIENCES,
-             "thing": train.THINGS, "skill": train.SKILLS}
+             "thing": train.THINGS, "skill": train.SKILLS, "food": train.FOODS,
+             "product": train.PRODUCTS, "game": train.GAMES, "place": train.PLACES,
+             "plural": [p for p, _ in train.PLURALS_VERBS],
+             "verb": [v for _, v in train.PLURALS_VERBS]}
     alt = {k: "(" + "|".join(map(re.escape, v)) + ")" for k, v in words.items()}
     pats = [re.compile("^" + re.sub(r"\\\{(\w+)\\\}", lambda m: alt[m.group(1)], re.escape(t))
                        + "$") for t in train.INSTRUCTION_TEMPLATES]

@@ -160,3 +160,11 @@ def test_labels_taken_while_generating_equal_teacher_forced_labels(tiny_llama):
         np.testing.assert_array_equal(ids[i, len(p) - 1:n, 0], s[len(p):])
         np.testing.assert_allclose(lp[i, :n].astype(np.float32), tf_lp[i, :n].astype(np.float32),
                                    atol=2e-3)
+
+
+def test_data_folder_refuses_another_configuration(tmp_path):
+    from ssd_jax.distill.data import DataConfig, _claim
+    _claim(tmp_path, DataConfig(), "smollm2")
+    _claim(tmp_path, DataConfig(), "smollm2")  # same configuration: resume is fine
+    with pytest.raises(ValueError, match="another configuration.*another --out"):
+        _claim(tmp_path, DataConfig(seed=1), "smollm2")

@@ -16,7 +16,7 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("data", help="target responses + corpus, labelled with target top-k")
     d.add_argument("--out", type=Path, default=DATA_DIR)
-    d.add_argument("--gen-batches", type=int, default=32)
+    d.add_argument("--gen-batches", type=int, default=40)
     d.add_argument("--batch", type=int, default=32)
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.add_argument("--corpus-chunks", type=int, default=160)

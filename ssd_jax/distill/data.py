@@ -14,8 +14,9 @@ length T (right-padded with 0):
 """
 from __future__ import annotations
 
+import json
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
@@ -37,7 +38,7 @@ PROMPT_WEIGHT = 0.3  # prompt positions of chat data teach the template; respons
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     seed: int = 0
-    gen_batches: int = 32  # batches of `batch` prompts each
+    gen_batches: int = 40  # batches of `batch` prompts each
     batch: int = 32
     max_new_tokens: int = 128
     max_prompt_tokens: int = 127  # prompt + max_new_tokens + 1 <= 256: one compiled program
@@ -68,7 +69,9 @@ def generate_responses(llm, cfg: DataConfig, out: Path) -> None:
     ids = [t for t in (_chat_ids(llm.tokenizer, p) for p in pool) if len(t) <= cfg.max_prompt_tokens]
     if len(ids) < need:
         raise RuntimeError(f"only {len(ids)} of the prompts fit in {cfg.max_prompt_tokens} tokens")
-    ids = ids[:need]
+    # Batches of similar prompt lengths need narrower prefills (widths are multiples of 32);
+    # the sort is global, so every 4th (sampled) batch still spans the whole length range.
+    ids = sorted(ids[:need], key=len)
     stop = np.asarray(sorted(set(llm.model.config.eos_token_ids)), np.int32)
     for b in tqdm(range(cfg.gen_batches), desc="target responses (labelled)", unit="batch"):
         shard = out / f"gen_{b:04d}.npz"
@@ -116,9 +119,12 @@ def generate_labelled(runner, prompts: list[list[int]], cfg: DataConfig, *, temp
                       stop_ids: np.ndarray, seed: int):
     """Prompt + response ids per row (the response ends after its first stop token or at
     max_new_tokens) and the target's top-k labels [B, seq_len, k] for every position."""
-    B, P0, T, k = len(prompts), cfg.max_prompt_tokens + 1, cfg.seq_len, cfg.top_k
-    x = np.zeros((B, P0), np.int32)
+    B, T, k = len(prompts), cfg.seq_len, cfg.top_k
     plen = np.array([len(p) for p in prompts], np.int32)
+    # The prefill is a third of the work: pad to the batch's longest prompt (one compiled
+    # program per multiple of 32), not to max_prompt_tokens.
+    P0 = min(cfg.max_prompt_tokens + 1, -(-int(plen.max()) // 32) * 32)
+    x = np.zeros((B, P0), np.int32)
     for i, p in enumerate(prompts):
         x[i, :len(p)] = p
     cache = runner.new_cache(B, T)
@@ -217,11 +223,25 @@ def label(runner, tokens: np.ndarray, cfg: DataConfig, desc: str) -> tuple[np.nd
     return ids, lp
 
 
+def _claim(out: Path, cfg: DataConfig, model: str) -> None:
+    """Shards are reused on resume, so a folder must only ever hold one configuration's data:
+    record it on first use and refuse a different one (instead of silently mixing the two)."""
+    meta = out / "config.json"
+    want = json.dumps({**asdict(cfg), "model": model, "prompts": P.PROMPTS_VERSION}, indent=1,
+                      sort_keys=True)
+    if meta.exists() and meta.read_text() != want:
+        raise ValueError(f"{out} holds distillation data built with another configuration (see "
+                         f"{meta}); pass another --out folder, or delete this one to rebuild")
+    if not meta.exists():
+        meta.write_text(want)
+
+
 def build(out: Path, cfg: DataConfig = DataConfig(), *, model: str = "smollm2") -> Path:
     """Run every stage (each resumable) and write out/dataset.npz."""
     from ssd_jax import LLM
 
     out.mkdir(parents=True, exist_ok=True)
+    _claim(out, cfg, model)
     final = out / "dataset.npz"
     if final.exists():
         return final

