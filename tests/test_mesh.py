@@ -176,6 +176,7 @@ def test_distributed_start_up_reads_the_environment():
 
 MULTIHOST = textwrap.dedent('''
     import json
+    import os
     from ssd_jax import distributed
     assert distributed.initialize()  # from SSD_JAX_* in the environment, before any JAX use
     import jax
@@ -185,15 +186,17 @@ MULTIHOST = textwrap.dedent('''
     split = split_devices(2, 2)
     # a real cross-process collective over all 4 devices of the 2 "hosts"
     ids = multihost_utils.process_allgather(np.array([jax.process_index()]))
-    print("RESULT" + json.dumps(dict(
-        processes=jax.process_count(), devices=len(jax.devices()),
-        local=len(jax.local_devices()), gathered=np.asarray(ids).ravel().tolist(),
-        target_hosts=sorted({d.process_index for d in split.target.devices.flat}),
-        draft_hosts=sorted({d.process_index for d in split.draft.devices.flat}))))
+    # a file, not stdout: gloo's threads write to stdout too and can land inside our line
+    with open(os.environ["RESULT_FILE"], "w") as f:
+        json.dump(dict(
+            processes=jax.process_count(), devices=len(jax.devices()),
+            local=len(jax.local_devices()), gathered=np.asarray(ids).ravel().tolist(),
+            target_hosts=sorted({d.process_index for d in split.target.devices.flat}),
+            draft_hosts=sorted({d.process_index for d in split.draft.devices.flat})), f)
 ''')
 
 
-def test_two_hosts_start_from_the_environment_and_the_draft_gets_a_host():
+def test_two_hosts_start_from_the_environment_and_the_draft_gets_a_host(tmp_path):
     """Two processes with two CPU devices each, started only with SSD_JAX_* variables (as a
     launcher would on two hosts), form one 4-device job; the draft gets the second host."""
     import json
@@ -205,15 +208,15 @@ def test_two_hosts_start_from_the_environment_and_the_draft_gets_a_host():
     for pid in range(2):
         env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                    JAX_PLATFORMS="cpu", SSD_JAX_COORDINATOR=f"127.0.0.1:{port}",
-                   SSD_JAX_NUM_PROCESSES="2", SSD_JAX_PROCESS_ID=str(pid))
+                   SSD_JAX_NUM_PROCESSES="2", SSD_JAX_PROCESS_ID=str(pid),
+                   RESULT_FILE=str(tmp_path / f"result{pid}.json"))
         procs.append(subprocess.Popen([sys.executable, "-c", MULTIHOST], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     outs = []
-    for p in procs:
+    for pid, p in enumerate(procs):
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
-        # only the RESULT line: gloo prints its own lines to stdout too
-        outs.append(json.loads(out.split("RESULT")[1].splitlines()[0]))
+        outs.append(json.loads((tmp_path / f"result{pid}.json").read_text()))
     for r in outs:
         assert r == dict(processes=2, devices=4, local=2, gathered=[0, 1], target_hosts=[0],
                          draft_hosts=[1]), r
