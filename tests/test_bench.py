@@ -104,7 +104,7 @@ def test_hand_written_prompts_are_not_training_templates():
     pats = [re.compile("^" + re.sub(r"\\\{(\w+)\\\}", lambda m: alt[m.group(1)], re.escape(t))
                        + "$") for t in train.INSTRUCTION_TEMPLATES]
     assert any(p.match(train.instruction_prompt(random.Random(0))) for p in pats)  # teeth
-    for text in suites.INSTRUCTIONS + suites.CHAT:
+    for text in suites.INSTRUCTIONS + suites.CHAT + train.HELD_OUT_INSTRUCTIONS:
         assert not any(p.match(text) for p in pats), text
     assert not set(suites.INSTRUCTIONS + suites.CHAT) & set(train.HELD_OUT_INSTRUCTIONS)
     num = {k: r"(-?\d+)" for k in "abcdep"}
