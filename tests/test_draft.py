@@ -168,3 +168,12 @@ def test_data_folder_refuses_another_configuration(tmp_path):
     _claim(tmp_path, DataConfig(), "smollm2")  # same configuration: resume is fine
     with pytest.raises(ValueError, match="another configuration.*another --out"):
         _claim(tmp_path, DataConfig(seed=1), "smollm2")
+
+
+def test_data_folder_refuses_a_changed_prompt_set(tmp_path, monkeypatch):
+    from ssd_jax.distill import prompts
+    from ssd_jax.distill.data import DataConfig, _claim
+    _claim(tmp_path, DataConfig(), "smollm2")
+    monkeypatch.setattr(prompts, "TOPICS", prompts.TOPICS + ["one more topic"])
+    with pytest.raises(ValueError, match="another configuration"):
+        _claim(tmp_path, DataConfig(), "smollm2")

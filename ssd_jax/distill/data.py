@@ -227,7 +227,7 @@ def _claim(out: Path, cfg: DataConfig, model: str) -> None:
     """Shards are reused on resume, so a folder must only ever hold one configuration's data:
     record it on first use and refuse a different one (instead of silently mixing the two)."""
     meta = out / "config.json"
-    want = json.dumps({**asdict(cfg), "model": model, "prompts": P.PROMPTS_VERSION}, indent=1,
+    want = json.dumps({**asdict(cfg), "model": model, "prompts": P.fingerprint()}, indent=1,
                       sort_keys=True)
     if meta.exists() and meta.read_text() != want:
         raise ValueError(f"{out} holds distillation data built with another configuration (see "

