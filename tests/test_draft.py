@@ -177,3 +177,72 @@ def test_data_folder_refuses_a_changed_prompt_set(tmp_path, monkeypatch):
     monkeypatch.setattr(prompts, "TOPICS", prompts.TOPICS + ["one more topic"])
     with pytest.raises(ValueError, match="another configuration"):
         _claim(tmp_path, DataConfig(), "smollm2")
+
+
+def _greedy_by_full_forwards(model, prompt: list[int], n: int) -> list[int]:
+    """Oracle: n greedy tokens, each from a full cache-free forward over the whole sequence."""
+    seq = list(prompt)
+    for _ in range(n):
+        L = len(seq)
+        logits, _ = model(jnp.asarray([seq]), jnp.arange(L)[None], KVCache.zeros(model.config, 1, 1),
+                          jnp.zeros((1,), jnp.int32), causal_mask(1, L))
+        seq.append(int(jnp.argmax(logits[0, -1])))
+    return seq
+
+
+def test_onpolicy_batch_is_the_drafts_text_labelled_by_the_target(tiny_llama):
+    """On-policy data: the draft's own greedy answer (in target ids), labelled with the
+    target's next-token distribution at every position."""
+    from ssd_jax import LLM
+    from ssd_jax.config import EngineConfig
+    from ssd_jax.distill.data import PROMPT_WEIGHT, DataConfig, onpolicy_batch
+
+    path, _ = tiny_llama
+    cfg = DataConfig(batch=2, max_new_tokens=10, max_prompt_tokens=20, seq_len=40, top_k=4,
+                     label_batch=2)
+    llm = LLM(str(path), engine=EngineConfig(max_batch=2, max_seq_len=40, prefill_bucket=21))
+    draft = DraftModel(Transformer(TINY, rngs=nnx.Rngs(3)), VocabMap.from_target_ids(KEEP, 128))
+    prompts = [[1, 5, 9, 13], [1, 7, 7, 3, 22, 90]]  # 5, 9, 13, 22, 90 are outside the draft vocab
+    shard = onpolicy_batch(llm.runner, draft, prompts, cfg, temperature=0.0,
+                           stop_ids=np.array([2], np.int32), seed=0)
+    target = llm.runner
+    for i, p in enumerate(prompts):
+        want = _greedy_by_full_forwards(draft, p, cfg.max_new_tokens)  # 2 is not in KEEP: no stop
+        L = len(want)
+        np.testing.assert_array_equal(shard["tokens"][i, :L], want)
+        assert (shard["tokens"][i, L:] == 0).all()
+        w = shard["weight"][i].astype(np.float32)
+        np.testing.assert_allclose(w[:len(p) - 1], PROMPT_WEIGHT, rtol=1e-3)
+        assert (w[len(p) - 1:L - 1] == 1).all() and (w[L - 1:] == 0).all()
+        logits, _ = forward(target.graphdef, target.params, jnp.asarray([want]), jnp.arange(L)[None],
+                            target.new_cache(1, 1), jnp.zeros((1,), jnp.int32), causal_mask(1, L))
+        logp = np.asarray(jax.nn.log_softmax(logits[0], -1))
+        np.testing.assert_array_equal(shard["top_ids"][i, :L, 0], logp.argmax(-1))
+        np.testing.assert_allclose(shard["top_lp"][i, :L, 0].astype(np.float32), logp.max(-1),
+                                   atol=2e-3)
+    # Sampled answers stay inside the draft vocabulary and are a function of the seed.
+    a = onpolicy_batch(llm.runner, draft, prompts, cfg, temperature=0.8,
+                       stop_ids=np.array([2], np.int32), seed=1)
+    b = onpolicy_batch(llm.runner, draft, prompts, cfg, temperature=0.8,
+                       stop_ids=np.array([2], np.int32), seed=1)
+    np.testing.assert_array_equal(a["tokens"], b["tokens"])
+    for i, p in enumerate(prompts):
+        answer = a["tokens"][i, len(p):len(p) + cfg.max_new_tokens]
+        assert set(answer.tolist()) <= set(KEEP)
+
+
+def test_labels_cover_sequences_with_a_generated_endoftext(tiny_llama):
+    """Id 0 is padding *and* a token a model can generate: a 0 inside a sequence must not
+    shorten the labelled width."""
+    from ssd_jax import LLM
+    from ssd_jax.config import EngineConfig
+    from ssd_jax.distill.data import DataConfig, label
+
+    path, _ = tiny_llama
+    cfg = DataConfig(batch=1, max_new_tokens=10, max_prompt_tokens=20, seq_len=128, top_k=2,
+                     label_batch=1)
+    llm = LLM(str(path), engine=EngineConfig(max_batch=1, max_seq_len=128, prefill_bucket=21))
+    tokens = np.zeros((1, 128), np.int32)
+    tokens[0, :66] = np.arange(66) % 5  # 14 zeros inside: 52 non-zero tokens, last at 65
+    ids, lp = label(llm.runner, tokens, cfg, "test", progress=False)
+    assert np.isfinite(lp[0, :66].astype(np.float32)).all()

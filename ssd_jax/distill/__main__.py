@@ -22,6 +22,16 @@ def main(argv=None) -> int:
     d.add_argument("--corpus-chunks", type=int, default=160)
     d.add_argument("--top-k", type=int, default=16)
     d.add_argument("--seed", type=int, default=0)
+    o = sub.add_parser("onpolicy", help="the draft answers fresh prompts, the target labels them")
+    o.add_argument("--base", type=Path, default=DATA_DIR / "dataset.npz",
+                   help="dataset.npz of the data stage; the output starts with it")
+    o.add_argument("--draft", type=Path, required=True, help="draft checkpoint that answers")
+    o.add_argument("--out", type=Path, default=DEFAULT_CACHE / "distill-onpolicy")
+    o.add_argument("--batches", type=int, default=40)
+    o.add_argument("--batch", type=int, default=32)
+    o.add_argument("--max-new-tokens", type=int, default=128)
+    o.add_argument("--top-k", type=int, default=16)
+    o.add_argument("--seed", type=int, default=0)
     t = sub.add_parser("train", help="KD training (resumable), then export the checkpoint")
     t.add_argument("--data", type=Path, default=DATA_DIR / "dataset.npz")
     t.add_argument("--work", type=Path, default=DATA_DIR / "train")
@@ -32,6 +42,8 @@ def main(argv=None) -> int:
     t.add_argument("--batch", type=int, default=16)
     t.add_argument("--lr", type=float, default=2e-3)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--init", type=Path, default=None,
+                   help="continue this draft checkpoint (its architecture and vocabulary)")
     m = sub.add_parser("measure", help="acceptance and latency on held-out prompts")
     m.add_argument("--draft", default="smollm2-draft")
     m.add_argument("--max-new-tokens", type=int, default=128)
@@ -45,11 +57,16 @@ def main(argv=None) -> int:
                          max_new_tokens=args.max_new_tokens, corpus_chunks=args.corpus_chunks,
                          top_k=args.top_k)
         print(build(args.out, cfg))
+    elif args.cmd == "onpolicy":
+        from ssd_jax.distill.data import DataConfig, build_onpolicy
+        cfg = DataConfig(seed=args.seed, batch=args.batch, max_new_tokens=args.max_new_tokens,
+                         top_k=args.top_k)
+        print(build_onpolicy(args.out, args.base, args.draft, cfg, batches=args.batches))
     elif args.cmd == "train":
         from ssd_jax.distill.train import TrainConfig, run
         cfg = TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
                           max_minutes=args.minutes)
-        print(run(args.data, args.work, args.out, cfg))
+        print(run(args.data, args.work, args.out, cfg, init=args.init))
     else:
         from ssd_jax.distill.measure import measure
         import json

@@ -1,7 +1,9 @@
 """Distillation data: target responses to training prompts, offline corpus text, and the target's
 top-k next-token distribution at every position. Responses are labelled while they are generated
 (the logits that produce a token are the labels of the position before it, so generation costs no
-second pass); corpus windows are labelled by a batched teacher-forced target forward.
+second pass); corpus windows are labelled by a batched teacher-forced target forward. A second,
+on-policy stage (`build_onpolicy`) has a trained draft answer fresh prompts and labels those
+answers with the target, teacher-forced.
 
 Every stage writes numbered shards into the data directory and skips shards that exist, so an
 interrupted run resumes where it stopped; the final `dataset.npz` holds, for N sequences of
@@ -14,6 +16,7 @@ length T (right-padded with 0):
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from dataclasses import asdict, dataclass
@@ -28,6 +31,7 @@ from tqdm import tqdm
 
 from ssd_jax.config import EngineConfig
 from ssd_jax.distill import prompts as P
+from ssd_jax.loading.registry import DEFAULT_CACHE
 from ssd_jax.models.attention import causal_mask
 from ssd_jax.models.transformer import KVCache, commit
 from ssd_jax.sampling import next_token
@@ -65,7 +69,7 @@ def generate_responses(llm, cfg: DataConfig, out: Path) -> None:
     generated: the logits the target computes to produce each token are the labels of the
     position before it, so the responses need no second (teacher-forced) pass."""
     need = cfg.gen_batches * cfg.batch
-    pool = P.training_prompts(4 * need, seed=cfg.seed, cache_dir=out.parent)
+    pool = P.training_prompts(4 * need, seed=cfg.seed, cache_dir=DEFAULT_CACHE)
     ids = [t for t in (_chat_ids(llm.tokenizer, p) for p in pool) if len(t) <= cfg.max_prompt_tokens]
     if len(ids) < need:
         raise RuntimeError(f"only {len(ids)} of the prompts fit in {cfg.max_prompt_tokens} tokens")
@@ -116,9 +120,11 @@ def _log_top_k(logits, k: int):
 
 
 def generate_labelled(runner, prompts: list[list[int]], cfg: DataConfig, *, temperature: float,
-                      stop_ids: np.ndarray, seed: int):
+                      stop_ids: np.ndarray, seed: int, vocab_size: int | None = None):
     """Prompt + response ids per row (the response ends after its first stop token or at
-    max_new_tokens) and the target's top-k labels [B, seq_len, k] for every position."""
+    max_new_tokens) and the runner's model's top-k labels [B, seq_len, k] for every position.
+    `vocab_size` is that of the logits (a draft's are over the target vocabulary, wider than
+    its runner's config says)."""
     B, T, k = len(prompts), cfg.seq_len, cfg.top_k
     plen = np.array([len(p) for p in prompts], np.int32)
     # The prefill is a third of the work: pad to the batch's longest prompt (one compiled
@@ -139,7 +145,7 @@ def generate_labelled(runner, prompts: list[list[int]], cfg: DataConfig, *, temp
     first = jnp.asarray(pids[rows, plen - 1, 0])
     if temperature > 0:  # sample the first token too
         first = next_token(jnp.asarray(_dense_logits(pids[rows, plen - 1], plp[rows, plen - 1],
-                                                     runner.config.vocab_size)),
+                                                     vocab_size or runner.config.vocab_size)),
                            jnp.full((B,), temperature), jnp.zeros((B,), jnp.int32),
                            jnp.full((B,), 0.95), jax.random.split(jax.random.key(seed), B))
     tok, lengths = np.asarray(first, np.int32), plen.copy()
@@ -179,7 +185,7 @@ def corpus_chunks(tokenizer, cfg: DataConfig, out: Path) -> None:
         return
     rng = random.Random(cfg.seed + 1)
     docs = list(P.stdlib_sources(training=True).values())
-    plays = list(P.shakespeare_texts(out.parent).values())
+    plays = list(P.shakespeare_texts(DEFAULT_CACHE).values())
     seqs = []
     for i in tqdm(range(cfg.corpus_chunks), desc="corpus windows"):
         text = rng.choice(docs if i % 3 else plays)  # two thirds code, one third prose
@@ -200,20 +206,22 @@ def _pack(seqs: list[list[int]], prompt_lens: list[int], T: int) -> dict:
     return {"tokens": tokens, "weight": weight}
 
 
-def label(runner, tokens: np.ndarray, cfg: DataConfig, desc: str) -> tuple[np.ndarray, np.ndarray]:
+def label(runner, tokens: np.ndarray, cfg: DataConfig, desc: str,
+          progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """The target's top-k next-token ids and log-probs at every position (teacher forcing).
 
-    Sequences are bucketed to 128 or 256 positions (causal attention makes the trailing padding
-    irrelevant to earlier positions), so two programs are compiled."""
+    Sequences are bucketed to multiples of 64 positions (causal attention makes the trailing
+    padding irrelevant to earlier positions), so at most seq_len / 64 programs are compiled."""
     N, T = tokens.shape
     ids = np.zeros((N, T, cfg.top_k), np.int32)
     lp = np.full((N, T, cfg.top_k), -np.inf, np.float16)
-    lengths = (tokens != 0).sum(1)  # id 0 (<|endoftext|>) only appears as padding here
+    # Length = last non-padding position + 1 (a generated <|endoftext|>, id 0, may sit inside).
+    lengths = np.where(tokens != 0, np.arange(T) + 1, 0).max(1)
     B = cfg.label_batch
     empty = runner.new_cache(B, 1)  # a passed-in (not constant) cache: nothing to constant-fold
-    for start in tqdm(range(0, N, B), desc=desc, unit="batch"):
+    for start in tqdm(range(0, N, B), desc=desc, unit="batch", disable=not progress):
         rows = np.arange(start, min(start + B, N))
-        width = 128 if lengths[rows].max() <= 128 < T else T
+        width = min(T, -(-int(lengths[rows].max()) // 64) * 64)
         x = np.zeros((B, width), np.int32)
         x[:len(rows)] = tokens[rows, :width]
         (i, l), _ = _prefill_topk(runner.graphdef, runner.params, jnp.asarray(x), empty,
@@ -223,12 +231,12 @@ def label(runner, tokens: np.ndarray, cfg: DataConfig, desc: str) -> tuple[np.nd
     return ids, lp
 
 
-def _claim(out: Path, cfg: DataConfig, model: str) -> None:
+def _claim(out: Path, cfg: DataConfig, model: str, **extra) -> None:
     """Shards are reused on resume, so a folder must only ever hold one configuration's data:
     record it on first use and refuse a different one (instead of silently mixing the two)."""
     meta = out / "config.json"
-    want = json.dumps({**asdict(cfg), "model": model, "prompts": P.fingerprint()}, indent=1,
-                      sort_keys=True)
+    want = json.dumps({**asdict(cfg), "model": model, "prompts": P.fingerprint(), **extra},
+                      indent=1, sort_keys=True)
     if meta.exists() and meta.read_text() != want:
         raise ValueError(f"{out} holds distillation data built with another configuration (see "
                          f"{meta}); pass another --out folder, or delete this one to rebuild")
@@ -264,5 +272,146 @@ def build(out: Path, cfg: DataConfig = DataConfig(), *, model: str = "smollm2") 
                 shard.update(top_ids=lab["top_ids"], top_lp=lab["top_lp"])
         for k in arrays:
             arrays[k].append(shard[k])
+    np.savez(final, **{k: np.concatenate(v) for k, v in arrays.items()})
+    return final
+
+
+# ------------------------------------------------------------------ on-policy data
+ONPOLICY_SEED = 7919  # prompt stream of the on-policy stage: not the target stage's prompts
+
+
+@partial(jax.jit, static_argnames=("graphdef", "temperature", "banned"))
+def _sample_step(graphdef, params, tokens, positions, cache: KVCache, prefix_len, mask, pick,
+                 key, temperature: float, banned: int | None):
+    """Logits at `pick` [B] -> next token: argmax at temperature 0, else a plain categorical
+    sample at `temperature` (Gumbel-max: no vocabulary sort, unlike top-p). Token `banned`
+    (a draft's OOV slot, which stands for no token at all) is never produced."""
+    logits, new_kv = nnx.merge(graphdef, params)(tokens, positions, cache, prefix_len, mask,
+                                                 pick[:, None])
+    logits = logits[:, 0]
+    if banned is not None:
+        logits = logits.at[:, banned].set(-jnp.inf)
+    if temperature > 0:
+        return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32), new_kv
+    return jnp.argmax(logits, -1).astype(jnp.int32), new_kv
+
+
+def draft_generate(runner, prompts: list[list[int]], cfg: DataConfig, *, temperature: float,
+                   stop_ids: np.ndarray, seed: int, banned: int | None = None) -> list[list[int]]:
+    """Prompt + response ids per row, generated by the (cheap) model of `runner` without labels."""
+    B, T = len(prompts), cfg.seq_len
+    plen = np.array([len(p) for p in prompts], np.int32)
+    P0 = min(cfg.max_prompt_tokens + 1, -(-int(plen.max()) // 32) * 32)
+    x = np.zeros((B, P0), np.int32)
+    for i, p in enumerate(prompts):
+        x[i, :len(p)] = p
+    cache = runner.new_cache(B, T)
+    key = jax.random.key(seed)
+    tok, new_kv = _sample_step(runner.graphdef, runner.params, jnp.asarray(x),
+                               jnp.broadcast_to(jnp.arange(P0), (B, P0)), cache,
+                               jnp.zeros((B,), jnp.int32), causal_mask(B, P0),
+                               jnp.asarray(plen - 1), key, temperature, banned)
+    cache = commit(cache, new_kv, jnp.zeros((B,), jnp.int32))
+    tok, lengths = np.asarray(tok), plen.copy()
+    out = [[int(t)] for t in tok]
+    done = np.isin(tok, stop_ids)
+    for step in range(cfg.max_new_tokens - 1):
+        if done.all():
+            break
+        nxt, new_kv = _sample_step(runner.graphdef, runner.params, jnp.asarray(tok)[:, None],
+                                   jnp.asarray(lengths)[:, None], cache, jnp.asarray(lengths),
+                                   jnp.ones((B, 1, 1), bool), jnp.zeros((B,), jnp.int32),
+                                   jax.random.fold_in(key, step + 1), temperature, banned)
+        cache = commit(cache, new_kv, jnp.asarray(lengths))
+        nxt, live = np.asarray(nxt), ~done
+        lengths = np.where(live, lengths + 1, lengths)
+        tok = np.where(live, nxt, tok)
+        for i in np.flatnonzero(live):
+            out[i].append(int(nxt[i]))
+        done |= live & np.isin(nxt, stop_ids)
+    return [p + o for p, o in zip(prompts, out)]
+
+
+def draft_responses(llm, draft, cfg: DataConfig, out: Path, *, batches: int) -> None:
+    """Shards pol_XXXX.npz: the *draft* answers fresh training prompts (every other batch
+    sampled at T=0.8, the rest greedy) and the target labels every position teacher-forced.
+
+    This is on-policy distillation (DistillSpec, Zhou et al. 2024): the draft is taught the
+    target's distribution on the prefixes it itself produces, which is where its proposals
+    go wrong. It is also ~3x cheaper per labelled position here than target generation: a
+    teacher-forced target pass costs ~2.3 ms/token on 2 cores, a batched target decode step
+    ~9 ms/token (its attention re-reads the whole cache every step), and the draft's own
+    decode is nearly free."""
+    need = batches * cfg.batch
+    pool = P.training_prompts(4 * need, seed=cfg.seed + ONPOLICY_SEED, cache_dir=DEFAULT_CACHE)
+    ids = [t for t in (_chat_ids(llm.tokenizer, p) for p in pool) if len(t) <= cfg.max_prompt_tokens]
+    if len(ids) < need:
+        raise RuntimeError(f"only {len(ids)} of the prompts fit in {cfg.max_prompt_tokens} tokens")
+    ids = sorted(ids[:need], key=len)
+    stop = np.asarray(sorted(set(llm.model.config.eos_token_ids)), np.int32)
+    for b in tqdm(range(batches), desc="draft responses (target-labelled)", unit="batch"):
+        shard = out / f"pol_{b:04d}.npz"
+        if shard.exists():
+            continue
+        np.savez(shard, **onpolicy_batch(llm.runner, draft, ids[b * cfg.batch:(b + 1) * cfg.batch],
+                                         cfg, temperature=0.8 if b % 2 else 0.0, stop_ids=stop,
+                                         seed=cfg.seed * 100003 + ONPOLICY_SEED + b))
+
+
+def onpolicy_batch(target_runner, draft, prompts: list[list[int]], cfg: DataConfig, *,
+                   temperature: float, stop_ids: np.ndarray, seed: int) -> dict:
+    """The draft answers `prompts` (target ids); the target labels prompt + answer teacher-forced.
+    Returns the arrays of one shard (see the module docstring)."""
+    from ssd_jax.runner import ModelRunner
+
+    # The draft runs in its own vocabulary (8k ids, not the target's 49k: its head and the
+    # sampling stay small); its tokens map back to target ids.
+    to_draft = np.asarray(draft.to_draft[...])
+    to_target = np.zeros(draft.oov + 1, np.int32)
+    inside = np.flatnonzero(to_draft != draft.oov)
+    to_target[to_draft[inside]] = inside
+    answers = draft_generate(ModelRunner(draft.model), [to_draft[p].tolist() for p in prompts],
+                             cfg, temperature=temperature, stop_ids=to_draft[stop_ids], seed=seed,
+                             banned=draft.oov)
+    seqs = [p + to_target[a[len(p):]].tolist() for p, a in zip(prompts, answers)]
+    packed = _pack(seqs, [len(p) for p in prompts], cfg.seq_len)
+    top_ids, top_lp = label(target_runner, packed["tokens"], cfg, "", progress=False)
+    return {**packed, "top_ids": top_ids, "top_lp": top_lp}
+
+
+def _checkpoint_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(p for p in Path(path).rglob("*") if p.is_file()):
+        h.update(f.relative_to(path).as_posix().encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def build_onpolicy(out: Path, base: Path, draft_path: Path, cfg: DataConfig = DataConfig(), *,
+                   batches: int, model: str = "smollm2") -> Path:
+    """out/dataset.npz = the base dataset (target responses + corpus) followed by `batches`
+    on-policy shards from the draft checkpoint at `draft_path` (resumable like `build`)."""
+    from ssd_jax import LLM
+    from ssd_jax.draft_vocab import DraftModel
+
+    if not Path(base).exists():
+        raise FileNotFoundError(f"{base} does not exist: run `python -m ssd_jax.distill data` "
+                                "first (it writes the base dataset.npz)")
+    out.mkdir(parents=True, exist_ok=True)
+    _claim(out, cfg, model, base=str(Path(base).resolve()), draft=_checkpoint_hash(draft_path),
+           onpolicy_batches=batches)
+    final = out / "dataset.npz"
+    if final.exists():
+        return final
+    llm = LLM(model, engine=EngineConfig(max_batch=cfg.batch, max_seq_len=cfg.seq_len,
+                                         prefill_bucket=cfg.max_prompt_tokens + 1))
+    draft, _ = DraftModel.load(str(draft_path))
+    draft_responses(llm, draft, cfg, out, batches=batches)
+    with np.load(base) as d:
+        arrays = {k: [d[k]] for k in ("tokens", "weight", "top_ids", "top_lp")}
+    for part in sorted(out.glob("pol_*.npz"))[:batches]:
+        with np.load(part) as d:
+            for k in arrays:
+                arrays[k].append(d[k])
     np.savez(final, **{k: np.concatenate(v) for k, v in arrays.items()})
     return final

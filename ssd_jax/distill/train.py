@@ -226,29 +226,42 @@ def train(model, batches: Batches, cfg: TrainConfig, work: Path, held_out=None,
             "train_s": time.perf_counter() - t0, "held_out": last_eval}
 
 
-def run(data_path: Path, work: Path, out: Path, cfg: TrainConfig = TrainConfig()) -> Path:
-    """Load data and target, build the draft, train (resumable), export the orbax checkpoint."""
+def run(data_path: Path, work: Path, out: Path, cfg: TrainConfig = TrainConfig(),
+        init: Path | None = None) -> Path:
+    """Load data and target, build the draft (or continue the draft checkpoint `init`, keeping
+    its architecture and vocabulary), train (resumable), export the orbax checkpoint."""
     from ssd_jax.loading import load, orbax_ckpt
 
+    if not Path(data_path).exists():
+        raise FileNotFoundError(f"{data_path} does not exist: build it with `python -m "
+                                "ssd_jax.distill data` (or `onpolicy`), or pass --data")
     target, tokenizer, _ = load("smollm2")
     data = dict(np.load(data_path))
     is_eval = np.arange(len(data["tokens"])) % 40 == 39  # held out, for monitoring only
     train_data = {k: v[~is_eval] for k, v in data.items()}
     eval_data = {k: v[is_eval] for k, v in data.items()}
-    vocab = select_vocab(train_data["tokens"], train_data["weight"], train_data["top_ids"],
-                         cfg.draft_vocab, target.config.vocab_size)
+    if init is not None:
+        model, _, extra = load(str(init))
+        if "vocab_map" not in extra:
+            raise ValueError(f"--init {init} is not a draft checkpoint (no vocab_map): pass one "
+                             "written by `python -m ssd_jax.distill train`")
+        vocab = VocabMap.from_dict(extra["vocab_map"])
+    else:
+        vocab = select_vocab(train_data["tokens"], train_data["weight"], train_data["top_ids"],
+                             cfg.draft_vocab, target.config.vocab_size)
     w = train_data["weight"] == 1
     covered = float((vocab.to_draft[train_data["top_ids"][..., 0][w]] != vocab.oov).mean())
     print(f"draft vocab {vocab.draft_size}: covers {covered:.4f} of the target's argmax tokens")
-    model = Transformer(draft_config(cfg, target.config), rngs=nnx.Rngs(cfg.seed))
-    init_embeddings(model, np.asarray(target.embed_tokens.embedding.get_value()), vocab)
+    if init is None:
+        model = Transformer(draft_config(cfg, target.config), rngs=nnx.Rngs(cfg.seed))
+        init_embeddings(model, np.asarray(target.embed_tokens.embedding.get_value()), vocab)
     del target
     batches = Batches(train_data, vocab, cfg.seed, cfg.batch)
     ev = Batches(eval_data, vocab, cfg.seed, cfg.batch)
     held_out = ev.all_rows() if ev.n else None
     summary = train(model, batches, cfg, work, held_out)
     summary.update(vocab_coverage=covered, train_sequences=int(batches.n), eval_sequences=int(ev.n),
-                   config=asdict(cfg))
+                   config=asdict(cfg), init=str(init) if init else None)
     print(json.dumps(summary, indent=1))
     orbax_ckpt.save(model, tokenizer, out, extra={"vocab_map": vocab.to_dict(), "distill": summary})
     return out
