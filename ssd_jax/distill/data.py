@@ -397,6 +397,10 @@ def build_onpolicy(out: Path, base: Path, draft_path: Path, cfg: DataConfig = Da
     if not Path(base).exists():
         raise FileNotFoundError(f"{base} does not exist: run `python -m ssd_jax.distill data` "
                                 "first (it writes the base dataset.npz)")
+    if not (Path(draft_path) / "ssd_jax_config.json").exists():
+        raise FileNotFoundError(f"{draft_path} is not a draft checkpoint folder (no "
+                                "ssd_jax_config.json): pass --draft the --out folder of a "
+                                "`python -m ssd_jax.distill train` run")
     out.mkdir(parents=True, exist_ok=True)
     _claim(out, cfg, model, base=str(Path(base).resolve()), draft=_checkpoint_hash(draft_path),
            onpolicy_batches=batches)
