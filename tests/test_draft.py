@@ -246,3 +246,23 @@ def test_labels_cover_sequences_with_a_generated_endoftext(tiny_llama):
     tokens[0, :66] = np.arange(66) % 5  # 14 zeros inside: 52 non-zero tokens, last at 65
     ids, lp = label(llm.runner, tokens, cfg, "test", progress=False)
     assert np.isfinite(lp[0, :66].astype(np.float32)).all()
+
+
+def test_measure_ranks_agree_with_a_sort_of_the_draft_logits():
+    from ssd_jax.distill.measure import rank_coverage, target_ranks
+
+    vm = _vocab()
+    draft = DraftModel(Transformer(TINY, rngs=nnx.Rngs(4)), vm)
+    prompt, answer = [3, 7, 55], [42, 99, 3, 60, 8]  # 60 is outside the draft vocabulary
+    ranks = target_ranks(draft, [prompt], [answer])[0]
+    seq = prompt + answer
+    L = len(seq)
+    logits, _ = draft(jnp.asarray([seq]), jnp.arange(L)[None], KVCache.zeros(TINY, 1, 1),
+                      jnp.zeros((1,), jnp.int32), causal_mask(1, L))
+    lg = np.asarray(logits[0])
+    for j, tok in enumerate(answer):
+        order = np.argsort(-lg[len(prompt) - 1 + j], kind="stable")  # ties: lowest id first
+        assert ranks[j] == int(np.flatnonzero(order == tok)[0]) + 1
+    assert ranks[3] > len(KEEP)  # an out-of-vocabulary token is never a hit
+    cov = rank_coverage([ranks], cutoffs=(1, 100))
+    assert cov["top1"] == np.mean(ranks == 1) and cov["top100"] == 1.0

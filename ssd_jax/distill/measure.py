@@ -9,7 +9,9 @@ the run of matches starting at a position is exactly what an SD round starting t
   a                per-token acceptance (fraction of matching positions),
   mean_accepted    mean over positions of min(K, run of matches from there),
   sd_accepted      accepted tokens per round of a simulated greedy SD pass over each answer
-                   (rounds start after the previous round's accepted tokens + correction).
+                   (rounds start after the previous round's accepted tokens + correction),
+  rank_coverage    how often the target's token is within the draft's top-n: the ceiling on
+                   SSD cache hits after a rejection with n-1 branches forked there.
 Latency: one jitted decode step (forward of 1 token over a cache of `cache_len` with `prefix`
 committed slots, then the donated commit), batch 1, warmed up, median of `reps`, same devices.
 """
@@ -48,8 +50,10 @@ def match_stats(matches: list[np.ndarray], K: int) -> dict:
             "sd_tokens_per_round": (accepted + rounds) / max(rounds, 1)}
 
 
-def greedy_matches(draft: DraftModel, prompts_ids, answers) -> list[np.ndarray]:
-    """Per answer: draft argmax at each answer position == the target's greedy token there."""
+def target_ranks(draft: DraftModel, prompts_ids, answers) -> list[np.ndarray]:
+    """Per answer: the rank (1 = the draft's argmax) of the target's greedy token among the
+    draft's logits at each answer position. Rank 1 is a greedy match; an SSD cache hit after
+    a rejection at that position needs ranks 2..F+1 (F branches forked there)."""
     runner = ModelRunner(draft)
     out = []
     for p, ans in zip(prompts_ids, answers):
@@ -60,10 +64,20 @@ def greedy_matches(draft: DraftModel, prompts_ids, answers) -> list[np.ndarray]:
         logits, _ = forward(runner.graphdef, runner.params, jnp.asarray(x),
                             jnp.arange(T)[None], runner.new_cache(1, 1),
                             jnp.zeros((1,), jnp.int32), causal_mask(1, T))
-        pred = np.asarray(jnp.argmax(logits[0], -1))
         # position len(p)-1+j predicts answer token j
-        out.append(pred[len(p) - 1:len(seq) - 1] == np.asarray(ans))
+        lg = np.asarray(logits[0, len(p) - 1:len(seq) - 1])
+        want = lg[np.arange(len(ans)), np.asarray(ans)]
+        # ties count against the target token, as argmax (lowest id) would break them
+        ahead = (lg > want[:, None]).sum(1) + ((lg == want[:, None])
+                                              & (np.arange(lg.shape[1]) < np.asarray(ans)[:, None])).sum(1)
+        out.append(ahead + 1)
     return out
+
+
+def rank_coverage(ranks: list[np.ndarray], cutoffs=(1, 2, 3, 4, 6, 8, 10, 16, 32)) -> dict:
+    """Fraction of positions whose target token is within the draft's top-n, per n."""
+    allr = np.concatenate(ranks)
+    return {f"top{n}": float((allr <= n).mean()) for n in cutoffs}
 
 
 def decode_latency(model, *, cache_len: int = 512, prefix: int = 256, reps: int = 100) -> float:
@@ -100,10 +114,12 @@ def measure(draft_name: str = "smollm2-draft", *, target_name: str = "smollm2",
     gen_s = time.perf_counter() - t0
     answers = [r.token_ids for r in res]
     n_instr = sum(1 for p in prompts if "```python" not in p)
-    matches = greedy_matches(draft, ids, answers)
+    ranks = target_ranks(draft, ids, answers)
+    matches = [r == 1 for r in ranks]
     report = {"all": match_stats(matches, K),
               "instructions": match_stats(matches[:n_instr], K),
               "code": match_stats(matches[n_instr:], K)}
+    report["rank_coverage"] = rank_coverage(ranks)
     t_target = decode_latency(llm.model)
     t_draft = decode_latency(draft)
     report["latency"] = {"target_ms": 1e3 * t_target, "draft_ms": 1e3 * t_draft,
@@ -117,7 +133,10 @@ def measure(draft_name: str = "smollm2-draft", *, target_name: str = "smollm2",
           f"(instructions {report['instructions']['a']:.3f}, code {report['code']['a']:.3f}); "
           f"mean accepted length at K={K}: {s['mean_accepted']:.2f} "
           f"(simulated SD: {s['sd_accepted']:.2f} accepted, {s['sd_tokens_per_round']:.2f} "
-          f"tokens/round)\ndecode latency, batch 1, cache 512: target "
+          f"tokens/round)\ntarget token within the draft's top 2 / 6 / 10 / 32: "
+          f"{report['rank_coverage']['top2']:.3f} / {report['rank_coverage']['top6']:.3f} / "
+          f"{report['rank_coverage']['top10']:.3f} / {report['rank_coverage']['top32']:.3f}"
+          f"\ndecode latency, batch 1, cache 512: target "
           f"{1e3 * t_target:.2f} ms, draft {1e3 * t_draft:.2f} ms "
           f"({100 * t_draft / t_target:.1f}% of target) on {jax.devices()}")
     return report
