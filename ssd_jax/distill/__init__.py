@@ -5,6 +5,7 @@
     python -m ssd_jax.distill onpolicy  # a trained draft answers fresh prompts, the target labels
     python -m ssd_jax.distill measure   # acceptance and latency on held-out prompts
 
-`make draft` runs the whole shipped pipeline: data, a bootstrap draft, on-policy data from it,
-and the final training continued from the bootstrap (`train --init`).
+`make draft` runs the shipped pipeline (data, then 15 minutes of training). `onpolicy` plus
+`train --init CKPT` continue a trained draft on its own answers; checkpoints/smollm2-draft/README.md
+says what that gained and why it is not part of the shipped pipeline.
 """

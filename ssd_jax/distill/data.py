@@ -64,19 +64,24 @@ def _chat_ids(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(chat, add_special_tokens=False)
 
 
+def _chat_prompts(llm, cfg: DataConfig, need: int, *, seed: int):
+    """`need` training prompts as chat-template ids that fit max_prompt_tokens, sorted by length,
+    and the target's stop ids. Batches of similar prompt lengths need narrower prefills (widths
+    are multiples of 32); the sort is global, so every sampled batch still spans the whole
+    length range."""
+    pool = P.training_prompts(4 * need, seed=seed, cache_dir=DEFAULT_CACHE)
+    ids = [t for t in (_chat_ids(llm.tokenizer, p) for p in pool) if len(t) <= cfg.max_prompt_tokens]
+    if len(ids) < need:
+        raise RuntimeError(f"only {len(ids)} of the prompts fit in {cfg.max_prompt_tokens} tokens")
+    stop = np.asarray(sorted(set(llm.model.config.eos_token_ids)), np.int32)
+    return sorted(ids[:need], key=len), stop
+
+
 def generate_responses(llm, cfg: DataConfig, out: Path) -> None:
     """Shards gen_XXXX.npz of `cfg.batch` chat prompts + target responses, labelled as they are
     generated: the logits the target computes to produce each token are the labels of the
     position before it, so the responses need no second (teacher-forced) pass."""
-    need = cfg.gen_batches * cfg.batch
-    pool = P.training_prompts(4 * need, seed=cfg.seed, cache_dir=DEFAULT_CACHE)
-    ids = [t for t in (_chat_ids(llm.tokenizer, p) for p in pool) if len(t) <= cfg.max_prompt_tokens]
-    if len(ids) < need:
-        raise RuntimeError(f"only {len(ids)} of the prompts fit in {cfg.max_prompt_tokens} tokens")
-    # Batches of similar prompt lengths need narrower prefills (widths are multiples of 32);
-    # the sort is global, so every 4th (sampled) batch still spans the whole length range.
-    ids = sorted(ids[:need], key=len)
-    stop = np.asarray(sorted(set(llm.model.config.eos_token_ids)), np.int32)
+    ids, stop = _chat_prompts(llm, cfg, cfg.gen_batches * cfg.batch, seed=cfg.seed)
     for b in tqdm(range(cfg.gen_batches), desc="target responses (labelled)", unit="batch"):
         shard = out / f"gen_{b:04d}.npz"
         if shard.exists():
@@ -343,13 +348,7 @@ def draft_responses(llm, draft, cfg: DataConfig, out: Path, *, batches: int) -> 
     teacher-forced target pass costs ~2.3 ms/token on 2 cores, a batched target decode step
     ~9 ms/token (its attention re-reads the whole cache every step), and the draft's own
     decode is nearly free."""
-    need = batches * cfg.batch
-    pool = P.training_prompts(4 * need, seed=cfg.seed + ONPOLICY_SEED, cache_dir=DEFAULT_CACHE)
-    ids = [t for t in (_chat_ids(llm.tokenizer, p) for p in pool) if len(t) <= cfg.max_prompt_tokens]
-    if len(ids) < need:
-        raise RuntimeError(f"only {len(ids)} of the prompts fit in {cfg.max_prompt_tokens} tokens")
-    ids = sorted(ids[:need], key=len)
-    stop = np.asarray(sorted(set(llm.model.config.eos_token_ids)), np.int32)
+    ids, stop = _chat_prompts(llm, cfg, batches * cfg.batch, seed=cfg.seed + ONPOLICY_SEED)
     for b in tqdm(range(batches), desc="draft responses (target-labelled)", unit="batch"):
         shard = out / f"pol_{b:04d}.npz"
         if shard.exists():
