@@ -92,7 +92,7 @@ def run(args: argparse.Namespace):
                 # The cache is made on device once per (dtype, B, S): at B=8, S=32768 it is 1 GiB
                 # per tensor, too slow to draw with numpy for every tree size.
                 key, k1, k2 = jax.random.split(key, 3)
-                cache = [jax.random.normal(k, (B, S, Hkv, D), dtype) for k in (k1, k2)]
+                cache = [jax.random.normal(k, (B, Hkv, S, D), dtype) for k in (k1, k2)]
                 prefix_len = jnp.full((B,), S, jnp.int32)
                 for T in args.tree:
                     rnd = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)

@@ -1,6 +1,6 @@
 """The attention primitive as a flash-style Pallas kernel, for GPU (Triton) and TPU (Mosaic).
 
-    tree_attention(q[B,T,Hq,D], cache_k/v[B,S,Hkv,D], prefix_len[B], new_k/v[B,U,Hkv,D],
+    tree_attention(q[B,T,Hq,D], cache_k/v[B,Hkv,S,D], prefix_len[B], new_k/v[B,U,Hkv,D],
                    mask[B,T,U]) -> [B,T,Hq,D]
 
 Same contract as `ssd_jax.models.attention.attend` (the reference it is tested against): queries
@@ -12,7 +12,8 @@ Layout. Grouped-query heads are folded into query rows: for KV head h the kernel
 R = T*G rows (t, g) of the query heads that share h, so each K/V block is read once per group
 instead of once per query head; decode (T=1) becomes a G-row matmul instead of a matrix-vector
 product. Only q, new K/V and the mask (all of size ~T) are transposed in the wrapper; the cache is
-read in place, because any re-layout of a [B,S,Hkv,D] cache would cost a full copy per layer.
+read in place (any re-layout would cost a full copy per layer), and its head-major [B,Hkv,S,D]
+layout makes each head's slots one contiguous [S, D] slab.
 
 Rows whose mask and prefix are both empty (batch padding) get a finite but unspecified value, as
 in the reference; the reference averages over the stale cache too, so the two differ only there.
@@ -77,7 +78,7 @@ def _precision(dtype):
 
 def _gpu_kernel(len_ref, q_ref, k_ref, v_ref, nk_ref, nv_ref, mask_ref, acc_ref, m_ref, l_ref,
                 *, scale: float, block_kv: int, block_u: int, blocks_per_split: int):
-    # Refs: len (), q [Rb, D], k/v [S, D] (one KV head, strided in HBM), nk/nv [Up, D],
+    # Refs: len (), q [Rb, D], k/v [S, D] (one KV head, contiguous in HBM), nk/nv [Up, D],
     # mask [Rb, Up] int32; out acc [Rb, D], m/l [Rb, 1] (fp32, unnormalised, merged by _merge).
     # One program per (batch row, KV head, block of query rows, split of the cache).
     q = q_ref[...]
@@ -132,12 +133,12 @@ def _default_kv_splits(programs: int, num_blocks: int) -> int:
 
 def _tpu_kernel(len_ref, q_ref, k_ref, v_ref, nk_ref, nv_ref, mask_ref, o_ref,
                 acc_ref, m_ref, l_ref, *, scale: float, block_kv: int, num_kv_heads: int):
-    # Refs: len [B] (SMEM, scalar-prefetched), q [Hkv, R, D], k/v [block_kv, Hkv*D] (one block of
-    # the cache, all heads), nk/nv [Hkv, U, D], mask [R, U], o [Hkv, R, D]; scratch acc [Hkv, R, D],
+    # Refs: len [B] (SMEM, scalar-prefetched), q [Hkv, R, D], k/v [Hkv, block_kv, D] (one block of
+    # the cache, all heads; a (block_kv, D) tile per head is legal in Mosaic since D is the full
+    # last dimension), nk/nv [Hkv, U, D], mask [R, U], o [Hkv, R, D]; scratch acc [Hkv, R, D],
     # m/l [Hkv, R, 1]. Grid (B, num_blocks): the last axis walks the cache sequentially.
     b, i = pl.program_id(0), pl.program_id(1)
     n = len_ref[b]
-    d = q_ref.shape[-1]
     precision = _precision(q_ref.dtype)
     update = functools.partial(_online_update, scale=scale, precision=precision)
 
@@ -156,10 +157,8 @@ def _tpu_kernel(len_ref, q_ref, k_ref, v_ref, nk_ref, nv_ref, mask_ref, o_ref,
     @pl.when(i * block_kv < n)
     def _prefix():
         valid = (i * block_kv + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)) < n
-        # Heads are lane slices of one [block_kv, Hkv*D] tile: a block over all heads is always a
-        # legal Mosaic tile (full last dim), whereas a per-head block of D=64 lanes is not.
         for h in range(num_kv_heads):
-            step(h, k_ref[:, h * d:(h + 1) * d], v_ref[:, h * d:(h + 1) * d], valid)
+            step(h, k_ref[h], v_ref[h], valid)
 
     @pl.when(i == pl.num_programs(1) - 1)
     def _new_tokens_and_finish():
@@ -181,8 +180,8 @@ def _pad_cache(cache_k, cache_v, block_kv: int):
     """Pad S to a multiple of block_kv. This copies the cache (once per call), so callers should
     bucket S to a multiple of the block, as the engine's cache buckets are; the padded slots lie
     beyond every prefix_len and are masked."""
-    s_pad = pl.cdiv(cache_k.shape[1], block_kv) * block_kv
-    return _pad_axis(cache_k, 1, s_pad), _pad_axis(cache_v, 1, s_pad)
+    s_pad = pl.cdiv(cache_k.shape[2], block_kv) * block_kv
+    return _pad_axis(cache_k, 2, s_pad), _pad_axis(cache_v, 2, s_pad)
 
 
 def _gpu_call(qr, cache_k, cache_v, prefix_len, nk, nv, rmask, *, scale, block_kv, kv_splits,
@@ -192,9 +191,9 @@ def _gpu_call(qr, cache_k, cache_v, prefix_len, nk, nv, rmask, *, scale, block_k
         raise ValueError(f"head_dim={D} is unsupported by the Triton lowering: it needs a power "
                          f"of two >= {_TRITON_MIN} (use backend='tpu' or the jnp attend)")
     # Triton blocks are powers of two >= 16; no bigger than the (rounded-up) cache.
-    block_kv = max(_TRITON_MIN, min(_next_pow2(block_kv), _next_pow2(cache_k.shape[1])))
+    block_kv = max(_TRITON_MIN, min(_next_pow2(block_kv), _next_pow2(cache_k.shape[2])))
     cache_k, cache_v = _pad_cache(cache_k, cache_v, block_kv)
-    S = cache_k.shape[1]
+    S = cache_k.shape[2]
     block_r = min(_GPU_BLOCK_ROWS, max(_TRITON_MIN, _next_pow2(R)))
     rp = pl.cdiv(R, block_r) * block_r
     up = max(_TRITON_MIN, _next_pow2(nk.shape[2]))
@@ -218,8 +217,8 @@ def _gpu_call(qr, cache_k, cache_v, prefix_len, nk, nv, rmask, *, scale, block_k
         in_specs=[
             pl.BlockSpec((None,), lambda b, h, r, s: (b,)),
             pl.BlockSpec((None, None, block_r, D), lambda b, h, r, s: (b, h, r, 0)),
-            pl.BlockSpec((None, S, None, D), lambda b, h, r, s: (b, 0, h, 0)),
-            pl.BlockSpec((None, S, None, D), lambda b, h, r, s: (b, 0, h, 0)),
+            pl.BlockSpec((None, None, S, D), lambda b, h, r, s: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, S, D), lambda b, h, r, s: (b, h, 0, 0)),
             pl.BlockSpec((None, None, up, D), lambda b, h, r, s: (b, h, 0, 0)),
             pl.BlockSpec((None, None, up, D), lambda b, h, r, s: (b, h, 0, 0)),
             pl.BlockSpec((None, block_r, up), lambda b, h, r, s: (b, r, 0)),
@@ -240,28 +239,25 @@ def _tpu_call(qr, cache_k, cache_v, prefix_len, nk, nv, rmask, *, scale, block_k
     B, Hkv, R, D = qr.shape
     U = nk.shape[2]
     # Mosaic tiles are (8, 128): a block of cache rows is a multiple of 8 or the whole cache.
-    if block_kv >= cache_k.shape[1]:
-        block_kv = cache_k.shape[1]
+    if block_kv >= cache_k.shape[2]:
+        block_kv = cache_k.shape[2]
     elif block_kv % 8:
         raise ValueError(f"block_kv={block_kv} is not a multiple of 8, as Mosaic needs for a "
-                         f"cache of {cache_k.shape[1]} slots: pass a multiple of 8")
+                         f"cache of {cache_k.shape[2]} slots: pass a multiple of 8")
     cache_k, cache_v = _pad_cache(cache_k, cache_v, block_kv)
-    S = cache_k.shape[1]
-    # Merging (Hkv, D) is a free reshape of the contiguous cache; see the kernel for why.
-    cache_k = cache_k.reshape(B, S, Hkv * D)
-    cache_v = cache_v.reshape(B, S, Hkv * D)
+    S = cache_k.shape[2]
 
     def kv_map(b, i, lens):
         last = jnp.maximum(pl.cdiv(lens[b], block_kv) - 1, 0)
-        return b, jnp.minimum(i, last), 0
+        return b, 0, jnp.minimum(i, last), 0
 
     full = lambda *shape: pl.BlockSpec((None, *shape), lambda b, i, lens: (b,) + (0,) * len(shape))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
         grid=(B, S // block_kv),
         in_specs=[full(Hkv, R, D),
-                  pl.BlockSpec((None, block_kv, Hkv * D), kv_map),
-                  pl.BlockSpec((None, block_kv, Hkv * D), kv_map),
+                  pl.BlockSpec((None, Hkv, block_kv, D), kv_map),
+                  pl.BlockSpec((None, Hkv, block_kv, D), kv_map),
                   full(Hkv, U, D), full(Hkv, U, D), full(R, U)],
         out_specs=full(Hkv, R, D),
         scratch_shapes=[pltpu.VMEM((Hkv, R, D), jnp.float32),
@@ -301,8 +297,8 @@ def _resolve_backend(backend: str, interpret: bool) -> str:
                    static_argnames=("scale", "backend", "interpret", "block_kv", "kv_splits"))
 def tree_attention(
     q: Float[Array, "B T Hq D"],
-    cache_k: Float[Array, "B S Hkv D"],
-    cache_v: Float[Array, "B S Hkv D"],
+    cache_k: Float[Array, "B Hkv S D"],
+    cache_v: Float[Array, "B Hkv S D"],
     prefix_len: Int[Array, " B"],
     new_k: Float[Array, "B U Hkv D"],
     new_v: Float[Array, "B U Hkv D"],
@@ -319,7 +315,7 @@ def tree_attention(
     step (default per backend, DEFAULT_BLOCK_KV). kv_splits (GPU only): programs the cache is
     split across per (row, head), merged by log-sum-exp; default from the grid size."""
     B, T, Hq, D = q.shape
-    Hkv, U = cache_k.shape[2], new_k.shape[1]
+    Hkv, U = cache_k.shape[1], new_k.shape[1]
     if Hq % Hkv:
         raise ValueError(f"Hq={Hq} is not a multiple of Hkv={Hkv}: grouped-query attention "
                          f"needs whole groups")

@@ -123,7 +123,7 @@ def shard_params(params: nnx.State, config: ModelConfig, mesh: Mesh) -> nnx.Stat
 def cache_sharding(config: ModelConfig, mesh: Mesh) -> NamedSharding:
     tp = mesh.shape[TP]
     split = tp > 1 and config.num_kv_heads % tp == 0
-    return NamedSharding(mesh, P(None, None, TP if split else None, None))
+    return NamedSharding(mesh, P(None, TP if split else None, None, None))
 
 
 def new_cache(config: ModelConfig, batch: int, seq_len: int, mesh: Mesh | None) -> KVCache:

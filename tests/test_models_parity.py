@@ -94,4 +94,4 @@ def test_bf16_model_is_close_to_fp32(tiny_llama):
 def test_cache_zeros_shape(tiny_qwen3):
     model, _, _ = load(tiny_qwen3[0])
     cache = KVCache.zeros(model.config, 3, 40)
-    assert len(cache.k) == 2 and cache.k[0].shape == (3, 40, 1, 32)
+    assert len(cache.k) == 2 and cache.k[0].shape == (3, 1, 40, 32)  # [B, Hkv, S, D]

@@ -73,6 +73,7 @@ def make_inputs(case: Case, seed: int = 0):
     stale = np.arange(S)[None, :] >= np.array(case.prefix)[:, None]
     cache_k[stale] *= 30.0
     cache_v[stale] *= 30.0
+    cache_k, cache_v = cache_k.transpose(0, 2, 1, 3), cache_v.transpose(0, 2, 1, 3)  # [B,Hkv,S,D]
     dt = jnp.dtype(case.dtype)
     arr = lambda x: jnp.asarray(x, dt)
     return (arr(rng.standard_normal((B, T, Hq, D))), arr(cache_k), arr(cache_v),

@@ -65,8 +65,8 @@ def weight_bytes(config: ModelConfig, tp: int = 1) -> WeightBytes:
 
 
 def kv_spec(config: ModelConfig, tp: int) -> P:
-    """KV [B, S, Hkv, D] follows kv_heads, so attention never moves the cache between devices."""
-    return P(None, None, TP, None) if tp > 1 and config.num_kv_heads % tp == 0 else P()
+    """KV [B, Hkv, S, D] follows kv_heads, so attention never moves the cache between devices."""
+    return P(None, TP, None, None) if tp > 1 and config.num_kv_heads % tp == 0 else P()
 
 
 def kv_cache_bytes(config: ModelConfig, batch: int, seq_len: int, tp: int = 1) -> int:
