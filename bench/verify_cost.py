@@ -10,13 +10,12 @@ what decides the best K here.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
+
+from bench.timing import emit, median_ms
 
 
 def main(argv=None) -> int:
@@ -38,22 +37,14 @@ def main(argv=None) -> int:
         toks = jnp.ones((1, t), jnp.int32)
         pos = prefix[:, None] + jnp.arange(t)
         mask = causal_mask(1, t)
-        jax.block_until_ready(runner.forward(toks, pos, cache, prefix, mask))
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(runner.forward(toks, pos, cache, prefix, mask))
-            times.append(time.perf_counter() - t0)
-        rows.append({"tokens": t, "ms": 1e3 * statistics.median(times)})
-        print(f"  T={t:2d}  {rows[-1]['ms']:7.2f} ms  ({rows[-1]['ms'] / rows[0]['ms']:.2f}x)",
-              file=sys.stderr, flush=True)
-    print("| tokens scored (K+1) | ms | vs 1 token |\n|---|---|---|")
-    for r in rows:
-        print(f"| {r['tokens']} | {r['ms']:.1f} | {r['ms'] / rows[0]['ms']:.2f}x |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": args.model, "cache": args.cache, "rows": rows,
-                       "backend": jax.default_backend()}, f, indent=1)
+        ms = median_ms(lambda: jax.block_until_ready(runner.forward(toks, pos, cache, prefix, mask)),
+                       args.repeats)
+        rows.append({"tokens": t, "ms": ms})
+        print(f"  T={t:2d}  {ms:7.2f} ms  ({ms / rows[0]['ms']:.2f}x)", file=sys.stderr, flush=True)
+    emit(["tokens scored (K+1)", "ms", "vs 1 token"],
+         [[str(r["tokens"]), f"{r['ms']:.1f}", f"{r['ms'] / rows[0]['ms']:.2f}x"] for r in rows],
+         args.json, {"model": args.model, "cache": args.cache, "rows": rows,
+                     "backend": jax.default_backend()})
     return 0
 
 

@@ -95,7 +95,7 @@ class _Server:
     def layout(self) -> dict:
         """This side's devices and how its model's MLP is split (for checks and logs)."""
         runner = self.target if self.target is not None else self.draft
-        kernel = runner.params["layers"][0]["mlp"]["gate_proj"]["kernel"].value
+        kernel = runner.params["layers"][0]["mlp"]["gate_proj"]["kernel"].get_value()
         return {"devices": len(self.mesh.devices.flat) if self.mesh is not None else 1,
                 "mlp_columns_per_device": kernel.addressable_shards[0].data.shape[1]}
 

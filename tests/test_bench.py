@@ -192,3 +192,19 @@ def test_exported_truncated_vocab_draft_proposes_like_ours(tmp_path):
     assert inside.sum() == 32 * len(seq[:-1])
     np.testing.assert_allclose(ref[inside], mine[inside], atol=1e-4)
     assert (ref[~inside] == np.finfo(np.float32).min).all()
+
+
+# ------------------------------------------------------------------ batched decode throughput
+def test_decode_throughput_smoke(tiny_llama, tmp_path, capsys):
+    from bench.decode_throughput import main as throughput
+    out = tmp_path / "t.json"
+    assert throughput(["--model", str(tiny_llama[0]), "--batch", "1,3", "--cache", "16",
+                       "--repeats", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 3]
+    assert all(r["step_ms"] > 0 and abs(r["tok_s"] - 1e3 * r["batch"] / r["step_ms"]) < 1e-6
+               for r in rows)
+    assert "| 3 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        throughput(["--batch", "1,x"])
+    assert e.value.code == 2

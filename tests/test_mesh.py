@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent('''
         for mode in ("ar", "sd", "ssd"):
             got = [o.token_ids for o in llm.generate(prompts, p, mode=mode)]
             out[f"{split}-{mode}"] = got == want
-    spec = llm.runner.params["layers"][0]["mlp"]["gate_proj"]["kernel"].value.sharding.spec
+    spec = llm.runner.params["layers"][0]["mlp"]["gate_proj"]["kernel"].get_value().sharding.spec
     out["tp_split"] = str(spec)
     out["devices"] = len(jax.devices())
     print("RESULT" + json.dumps(out))
@@ -77,8 +77,8 @@ SCRIPT_8 = textwrap.dedent('''
     out = {}
     for split in [(4, 4), (2, 6)]:
         llm = LLM(target, draft=draft, spec=spec, engine=EngineConfig(**base, mesh=split))
-        kernel = llm.runner.params["layers"][0]["mlp"]["gate_proj"]["kernel"].value
-        dkernel = llm.draft_runner.params["layers"][0]["mlp"]["gate_proj"]["kernel"].value
+        kernel = llm.runner.params["layers"][0]["mlp"]["gate_proj"]["kernel"].get_value()
+        dkernel = llm.draft_runner.params["layers"][0]["mlp"]["gate_proj"]["kernel"].get_value()
         out[f"{split}-layout"] = dict(
             target_devices=sorted(d.id for d in kernel.sharding.device_set),
             draft_devices=sorted(d.id for d in dkernel.sharding.device_set),
