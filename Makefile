@@ -25,8 +25,9 @@ test-slow: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/python -m bench.ar_vs_torch
 
-# The shipped draft's whole training pipeline (checkpoints/smollm2-draft/README.md, ~59 min on
-# 2 cores): target responses + corpus labelled with the target's top-16, then 15 min of KD.
+# The shipped draft's whole training pipeline (checkpoints/smollm2-draft/README.md, 59 min on
+# 2 cores before the KV cache became head-major, which makes the batched data stage faster):
+# target responses + corpus labelled with the target's top-16, then 15 min of KD.
 # `python -m ssd_jax.distill onpolicy` + `train --init` can continue a trained draft on its own
 # answers (labelled by the target); the README there says what that gained and what it cost.
 DRAFT_WORK ?= $(HOME)/.cache/ssd_jax/draft-pipeline
