@@ -21,6 +21,8 @@ from bench.timing import emit, median_ms
 
 
 def step_ms(runner, batch: int, cache_len: int, repeats: int) -> float:
+    # Like ssd_jax.distill.measure.decode_latency but batched; it uses only the runner, forward
+    # and commit, so this file also runs against older checkouts for before/after tables.
     from ssd_jax.models import causal_mask
     from ssd_jax.models.transformer import commit
     prefix = jnp.full((batch,), cache_len // 2, jnp.int32)

@@ -120,10 +120,14 @@ def shard_params(params: nnx.State, config: ModelConfig, mesh: Mesh) -> nnx.Stat
     return jax.device_put(params, param_shardings(params, config, mesh))
 
 
+def kv_spec(config: ModelConfig, tp: int) -> P:
+    """KV [B, Hkv, S, D] follows kv_heads, so attention never moves the cache between devices
+    (replicated when the heads do not split evenly, as their projections are then)."""
+    return P(None, TP, None, None) if tp > 1 and config.num_kv_heads % tp == 0 else P()
+
+
 def cache_sharding(config: ModelConfig, mesh: Mesh) -> NamedSharding:
-    tp = mesh.shape[TP]
-    split = tp > 1 and config.num_kv_heads % tp == 0
-    return NamedSharding(mesh, P(None, TP if split else None, None, None))
+    return NamedSharding(mesh, kv_spec(config, mesh.shape[TP]))
 
 
 def new_cache(config: ModelConfig, batch: int, seq_len: int, mesh: Mesh | None) -> KVCache:

@@ -25,7 +25,7 @@ from ssd_jax.config import ModelConfig
 from ssd_jax.draft import SpecCache
 from ssd_jax.loading.weights import abstract_model
 from ssd_jax.models.transformer import KVCache
-from ssd_jax.sharding import TP, spec_for
+from ssd_jax.sharding import TP, kv_spec, spec_for
 
 
 def shard_nbytes(x: jax.ShapeDtypeStruct, spec: P, tp: int) -> int:
@@ -62,11 +62,6 @@ def weight_bytes(config: ModelConfig, tp: int = 1) -> WeightBytes:
         elif kind in ("kernel", "embedding"):
             matmul += nbytes // jnp.dtype(x.dtype).itemsize
     return WeightBytes(total, embed, matmul)
-
-
-def kv_spec(config: ModelConfig, tp: int) -> P:
-    """KV [B, Hkv, S, D] follows kv_heads, so attention never moves the cache between devices."""
-    return P(None, TP, None, None) if tp > 1 and config.num_kv_heads % tp == 0 else P()
 
 
 def kv_cache_bytes(config: ModelConfig, batch: int, seq_len: int, tp: int = 1) -> int:
