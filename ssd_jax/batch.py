@@ -42,12 +42,18 @@ class Batch:
                  stop_ids=self.stop_ids, max_new=self.max_new), sharding))
 
 
+def _seed(p: SamplingParams) -> int:
+    if p.seed is None:  # LLM gives every request a seed; direct callers of make_batch must too
+        raise ValueError("SamplingParams.seed is None: give each request a seed before batching")
+    return p.seed
+
+
 def make_batch(ids: list[list[int]], params: list[SamplingParams], stops: list[list[int]],
                prefill_bucket: int) -> Batch:
     n = len(ids)
     B = 1 << (n - 1).bit_length()
     ids = list(ids) + [ids[0]] * (B - n)
-    params = list(params) + [SamplingParams(max_new_tokens=1)] * (B - n)
+    params = list(params) + [SamplingParams(max_new_tokens=1, seed=0)] * (B - n)
     stops = list(stops) + [[]] * (B - n)
     T = round_up(max(len(t) for t in ids), prefill_bucket)
     tokens = np.zeros((B, T), np.int32)
@@ -61,7 +67,7 @@ def make_batch(ids: list[list[int]], params: list[SamplingParams], stops: list[l
         temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
         top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
         top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
-        keys=jax.vmap(jax.random.key)(jnp.asarray([p.seed for p in params], jnp.uint32)))
+        keys=jax.vmap(jax.random.key)(jnp.asarray([_seed(p) for p in params], jnp.uint32)))
     return Batch(n=n, tokens=jnp.asarray(tokens),
                  prompt_len=jnp.asarray([len(t) for t in ids], jnp.int32), sampling=sampling,
                  stop_ids=jnp.asarray(stop_ids),

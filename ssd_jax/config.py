@@ -86,14 +86,16 @@ class SamplingParams:
     """Per-request sampling settings (the vLLM-style surface users know).
 
     temperature=0 is greedy. top_k=0 and top_p=1 disable those filters. `seed` makes a request's
-    sampled tokens reproducible regardless of which other requests share its batch.
+    sampled tokens reproducible regardless of which other requests share its batch; without one,
+    the engine draws a fresh seed per request (from EngineConfig.seed), so two unseeded requests
+    in a batch sample independently.
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     max_new_tokens: int = 64
-    seed: int = 0
+    seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
@@ -108,6 +110,8 @@ class SamplingParams:
         if self.max_new_tokens < 1:
             raise ValueError(
                 f"max_new_tokens={self.max_new_tokens} is invalid: ask for at least 1 token")
+        if self.seed is not None and not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed={self.seed} is invalid: use an integer in [0, 2**32) or None")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,6 +156,9 @@ class EngineConfig:
     # "processes" driver: CPU devices per worker process. Each side is tensor-parallel over its
     # process's devices (the layout of a GPU host per side); 1 is fastest on a CPU.
     worker_devices: int = 1
+    # Seeds the per-request seeds of SamplingParams without one: a run is reproducible while
+    # its rows sample independently. None: fresh OS entropy for every LLM.
+    seed: int | None = 0
 
     def __post_init__(self):
         for name in ("max_batch", "max_seq_len", "prefill_bucket", "sync_every",

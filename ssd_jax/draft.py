@@ -30,7 +30,7 @@ from ssd_jax.backup import ngram_propose
 from ssd_jax.models.attention import causal_mask
 from ssd_jax.models.transformer import KVCache
 from ssd_jax.runner import RowSampling
-from ssd_jax.sampling import process_probs, sample
+from ssd_jax.sampling import process_probs, sample, saguaro_rescale
 from ssd_jax.sd import DRAFT_STREAM, SpecState, draft_in, draft_out, stream_keys
 
 NEG_INF = -1e30
@@ -60,17 +60,6 @@ def empty_cache(batch: int, m: int, k: int, vocab_size: int | None) -> SpecCache
                      jnp.full((batch, k + 1, 1), -1, jnp.int32))
 
 
-def saguaro(q: Float[Array, "B N V"], num_top: Int[Array, " B"], c, fmax: int
-            ) -> Float[Array, "B N V"]:
-    """Scale the top-num_top[b] probabilities of each q[b, n] by C and renormalise (C = 1: q).
-    num_top is the fan-out the next round will fork with at this token's position."""
-    top_val = jax.lax.top_k(q, fmax)[0]
-    thresh = jnp.take_along_axis(top_val, jnp.clip(num_top - 1, 0, fmax - 1)[:, None, None], -1)
-    is_top = (q >= thresh) & (num_top[:, None, None] > 0)
-    scaled = jnp.where(is_top, q * c, q)
-    return scaled / scaled.sum(-1, keepdims=True)
-
-
 def propose_tokens(logits: Float[Array, "B N V"], sampling: RowSampling,
                    positions: Int[Array, "B N"], num_top: Int[Array, " B"], c, fmax: int,
                    greedy_only: bool):
@@ -79,7 +68,7 @@ def propose_tokens(logits: Float[Array, "B N V"], sampling: RowSampling,
         return jnp.argmax(logits, -1).astype(jnp.int32), None
     B, N, V = logits.shape
     q = process_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-    q = saguaro(q, num_top, c, fmax)
+    q = saguaro_rescale(q, num_top, c, fmax)  # num_top: next round's fork count here
     keys = stream_keys(
         RowSampling(*(jnp.repeat(x, N, axis=0) for x in sampling)), DRAFT_STREAM,
         positions.reshape(-1))
@@ -206,8 +195,10 @@ def select(graphdef, params, vocab, state: SpecState, spec_cache: SpecCache,
         return (jnp.zeros((B, k), jnp.int32),
                 None if greedy_only else jnp.zeros((B, k, V), jnp.float32))
 
-    # The backup is computed only when some row missed (the common all-hit round skips it).
-    b_tokens, b_q = jax.lax.cond(jnp.all(hit), skip, run_backup, None)
+    # The backup is computed only when some live row missed (the common all-hit round skips
+    # it). Finished and padding rows' speculations are discarded, so their misses must not
+    # put the K-step backup on every round's critical path.
+    b_tokens, b_q = jax.lax.cond(jnp.all(hit | state.done), skip, run_backup, None)
     tokens = jnp.where(hit[:, None], hit_tokens, b_tokens)
     q = None
     if not greedy_only:

@@ -6,12 +6,13 @@ bucket); shapes are bucketed so repeated calls reuse compiled programs.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
 
 import jax
+import numpy as np
 
 from ssd_jax.ar import ar_loop
 from ssd_jax.batch import make_batch, round_up
@@ -84,6 +85,8 @@ class LLM:
             self.model, self.tokenizer, _ = load(model, dtype=dtype, cache_dir=cache_dir,
                                                  progress=True)
         self.engine, self.spec = engine, spec
+        # Seeds for requests that bring none (drawn in the order requests arrive).
+        self._seeds = np.random.default_rng(engine.seed)
         self.split = split_devices(*engine.mesh) if engine.mesh else None
         _check_addressable(self.split, engine.mesh)
         self.runner = ModelRunner(self.model, self.split and self.split.target)
@@ -275,6 +278,10 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, "
                              "or one per prompt")
+        # One shared default seed would give every row of a batch the same random stream
+        # (identical samples for identical prompts): unseeded requests get their own.
+        params = [p if p.seed is not None
+                  else replace(p, seed=int(self._seeds.integers(2**32))) for p in params]
         return [self._encode(p, chat) for p in prompts], params
 
     def _text(self, token_ids: list[int]) -> str:

@@ -124,23 +124,37 @@ def next_token(
 
 def saguaro_rescale(
     q: Float[Array, "*S V"],
-    num_top: int,
+    num_top: int | Int[Array, " B"],
     c: float | Float[Array, " B"],
+    fmax: int | None = None,
 ) -> Float[Array, "*S V"]:
     """Saguaro sampling: scale the top-`num_top` probabilities of q by C in (0, 1], renormalise.
 
     Lower C moves draft mass off the tokens the speculation cache forks on, so after a rejection
     the residual max(0, p - q') concentrates on them (higher hit rate). Lossless as long as the
     verifier is given this q' - the distribution the speculated token was actually drawn from.
-    A per-row C has shape [B] and q's leading axis is B. C = 1 is the identity.
+    "Top" is the order (probability desc, index asc), the order `lax.top_k` gives the fork, so
+    ties at the boundary scale exactly num_top tokens. num_top and C may be per row ([B], q's
+    leading axis); a per-row num_top needs the static bound `fmax` >= every entry. C = 1 and
+    num_top = 0 are the identity.
     """
     q = q.astype(jnp.float32)
     V = q.shape[-1]
-    num_top = min(int(num_top), V)
-    if num_top <= 0:
-        return q
-    _, top_idx = jax.lax.top_k(q, num_top)  # ties -> lowest index first, like argmax
-    is_top = _ranked_at_or_above(q, top_idx[..., -1:])
+    if isinstance(num_top, int):
+        num_top = min(num_top, V)
+        if num_top <= 0:
+            return q
+        _, top_idx = jax.lax.top_k(q, num_top)  # ties -> lowest index first, like argmax
+        is_top = _ranked_at_or_above(q, top_idx[..., -1:])
+    else:
+        if fmax is None:
+            raise ValueError("a per-row num_top needs fmax, a static bound on its entries")
+        fmax = min(fmax, V)
+        _, top_idx = jax.lax.top_k(q, fmax)
+        last = _per_row(jnp.clip(num_top - 1, 0, fmax - 1), q.ndim)
+        is_top = _ranked_at_or_above(q, jnp.take_along_axis(
+            top_idx, jnp.broadcast_to(last, q.shape[:-1] + (1,)), axis=-1))
+        is_top &= _per_row(num_top > 0, q.ndim)
     c = jnp.asarray(c, jnp.float32)
     c = c if c.ndim == 0 else _per_row(c, q.ndim)
     q = jnp.where(is_top, q * c, q)

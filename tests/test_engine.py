@@ -58,6 +58,23 @@ def test_seeded_sampling_is_independent_of_batch(tiny):
     assert other != alone  # 10 tokens over a 128 vocab: a collision would be a bug
 
 
+def test_unseeded_rows_sample_independently_and_runs_repeat(tiny_llama):
+    """Requests without a seed: identical prompts in one batch get different samples (one shared
+    default seed made them identical), and an engine seed makes the whole run repeatable."""
+    model, tok, _ = load(tiny_llama[0])
+    p = SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True)
+
+    def run(seed):
+        llm = LLM(model, tokenizer=tok, engine=EngineConfig(
+            max_batch=4, max_seq_len=256, prefill_bucket=16, seed=seed))
+        return [o.token_ids for o in llm.generate([[3, 4, 5]] * 4, p)]
+
+    a = run(0)
+    assert len({tuple(r) for r in a}) == 4  # 10 tokens over a 128 vocab: no collisions
+    assert run(0) == a
+    assert run(1) != a
+
+
 def test_first_sampled_token_follows_target_distribution(tiny):
     """64 seeds x first token at T=1 vs the exact softmax of transformers' logits (chi-square)."""
     from scipy import stats

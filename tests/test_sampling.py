@@ -182,6 +182,25 @@ def test_saguaro_rescale_matches_reference():
     np.testing.assert_allclose(got[1, 1, 5], 0.0)  # zeros stay zero: q' never invents support
 
 
+def test_saguaro_rescale_per_row_counts_match_reference():
+    """The draft's form: a per-row fan-out count (0 = no fork at that position) and per-row C.
+    Ties at the boundary scale exactly num_top tokens, lowest ids first, which is the set
+    `lax.top_k` hands the fork."""
+    q = np.array([[[0.3, 0.3, 0.3, 0.1]],
+                  [[0.1, 0.3, 0.1, 0.4]],
+                  [[0.25, 0.25, 0.25, 0.25]]], np.float32)  # [B=3, N=1, V=4]
+    num_top = np.array([1, 2, 0], np.int32)
+    c = np.array([0.5, 0.2, 0.3], np.float32)
+    got = jax.jit(checked(sampling.saguaro_rescale), static_argnums=3)(
+        jnp.asarray(q), jnp.asarray(num_top), jnp.asarray(c), 3)
+    for b in range(3):
+        np.testing.assert_allclose(got[b, 0], np_saguaro(q[b, 0], num_top[b], c[b]), atol=1e-6)
+    np.testing.assert_allclose(got[0, 0], [0.15 / 0.85, 0.3 / 0.85, 0.3 / 0.85, 0.1 / 0.85],
+                               atol=1e-6)
+    with pytest.raises(ValueError, match="fmax"):
+        sampling.saguaro_rescale(jnp.asarray(q), jnp.asarray(num_top), 0.5)
+
+
 @pytest.mark.parametrize("num_top,c", [(2, 1.0), (0, 0.3), (9, 0.3)])
 def test_saguaro_rescale_identity_cases(num_top, c):
     q = jnp.asarray(np.random.default_rng(1).dirichlet(np.ones(5), size=4), jnp.float32)

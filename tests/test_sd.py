@@ -117,15 +117,25 @@ def _sd_sample_counts(target, draft, prompt, temperature, top_p, n_samples, wron
 
 
 def _chi2_pvalue(counts, probs):
-    keys = sorted(probs, key=lambda s: -probs[s])
+    # A sequence the target cannot produce is a failure outright, not a count to pool.
+    if any(probs.get(s, 0.0) == 0.0 for s, c in counts.items() if c):
+        return 0.0
+    keys = sorted((s for s in probs if probs[s] > 0), key=lambda s: -probs[s])
     n = sum(counts.values())
     exp = np.array([probs[s] * n for s in keys])
     obs = np.array([counts.get(s, 0) for s in keys], float)
     big = exp >= 5  # pool the rare sequences so the chi-square approximation holds
-    obs = np.append(obs[big], obs[~big].sum())
-    exp = np.append(exp[big], exp[~big].sum())
+    if (~big).any():
+        obs = np.append(obs[big], obs[~big].sum())
+        exp = np.append(exp[big], exp[~big].sum())
     exp *= obs.sum() / exp.sum()
     return stats.chisquare(obs, exp).pvalue
+
+
+def test_chi2_helper_rejects_impossible_sequences():
+    probs = {(0,): 0.5, (1,): 0.5, (2,): 0.0}
+    assert _chi2_pvalue({(0,): 500, (1,): 500}, probs) > 0.5
+    assert _chi2_pvalue({(0,): 500, (1,): 499, (2,): 1}, probs) == 0.0  # pooling would hide it
 
 
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.8, 0.9)])

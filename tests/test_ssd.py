@@ -85,13 +85,37 @@ def _ssd_counts(target, draft, spec, n_samples, temperature=1.0, top_p=1.0):
     return counts, (hits, rounds)
 
 
-@pytest.mark.parametrize("c, backup", [(1.0, "neural"), (0.4, "neural"), (1.0, "fast")])
-def test_sampled_ssd_matches_target_distribution(vocab6, c, backup):
+@pytest.mark.parametrize("k, c, backup", [(1, 1.0, "neural"), (1, 0.4, "neural"),
+                                          (1, 1.0, "fast"), (2, 0.4, "neural")])
+def test_sampled_ssd_matches_target_distribution(vocab6, k, c, backup):
+    """K=2: tokens after a hit come from tree step 1 (its own Saguaro set and q'), so later
+    tokens depend on the tree's second-step proposals, not only on forks."""
     target, draft, hf_target = vocab6
     probs = _exact_sequence_probs(hf_target, [1, 2, 3], 1.0, 1.0, N_OUT)
     counts, (hits, rounds) = _ssd_counts(target, draft,
-                                         SpecConfig(k=1, c=c, backup=backup, budget=4), 3200)
+                                         SpecConfig(k=k, c=c, backup=backup, budget=4), 3200)
     assert 0.1 * rounds < hits < rounds
+    assert _chi2_pvalue(counts, probs) > 1e-3
+
+
+def test_sampled_ssd_with_truncated_vocab_draft(vocab6, tmp_path):
+    """A draft over 4 of the 6 target tokens (vocab map): q' is zero on the other two, which
+    only recoveries can emit; the output still follows the target exactly."""
+    from flax import nnx
+    from ssd_jax.config import ModelConfig
+    from ssd_jax.draft_vocab import VocabMap
+    from ssd_jax.loading.orbax_ckpt import save
+    from ssd_jax.models.transformer import Transformer
+    target, _, hf_target = vocab6
+    vm = VocabMap.from_target_ids(np.array([1, 3, 4, 5]), 6)
+    cfg = ModelConfig(vocab_size=vm.draft_size, hidden_size=32, intermediate_size=64,
+                      num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
+    save(Transformer(cfg, rngs=nnx.Rngs(0)), None, tmp_path / "d",
+         extra={"vocab_map": vm.to_dict()})
+    probs = _exact_sequence_probs(hf_target, [1, 2, 3], 1.0, 1.0, N_OUT)
+    counts, (hits, rounds) = _ssd_counts(target, str(tmp_path / "d"),
+                                         SpecConfig(k=2, c=0.5, budget=4), 3200)
+    assert 0 < hits < rounds
     assert _chi2_pvalue(counts, probs) > 1e-3
 
 
@@ -159,6 +183,57 @@ def test_tree_branches_equal_plain_decode(pair):
             ref = jax.nn.softmax(logits[0, len(seq) - 1:], axis=-1)
             np.testing.assert_allclose(np.asarray(sc.q[b, m]), np.asarray(ref), atol=2e-5)
         assert len(keys) == M
+
+
+def test_backup_runs_only_when_a_live_row_misses(pair):
+    """Row 0 hits; row 1 misses. While row 1 is live, select fills it from the neural backup;
+    once row 1 is finished (or padding), its miss must not run the K-step backup at all (its
+    speculation is discarded), so the batch's round costs what an all-hit round costs."""
+    from flax import nnx
+    from ssd_jax.draft import neural_backup, select
+    _, draft = pair
+    runner = ModelRunner(draft)
+    K, M, B, S = 3, 6, 2, 64
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 128, size=(B, 9))
+    cache = runner.new_cache(B, S)
+    _, kv = runner.forward(jnp.asarray(prompt), jnp.broadcast_to(jnp.arange(9), (B, 9)), cache,
+                           jnp.zeros((B,), jnp.int32), causal_mask(B, 9))
+    cache = commit(cache, kv, jnp.zeros((B,), jnp.int32))
+    spec = jnp.asarray(rng.integers(0, 128, size=(B, K)), jnp.int32)
+    state = SpecState(prev=jnp.asarray(prompt[:, -1]), last=jnp.array([17, 42]),
+                      lengths=jnp.array([9, 9]), generated=jnp.ones(B, jnp.int32),
+                      done=jnp.zeros(B, bool))
+    sampling = RowSampling(jnp.zeros(B), jnp.zeros(B, jnp.int32), jnp.ones(B),
+                           jax.vmap(jax.random.key)(jnp.arange(B, dtype=jnp.uint32)))
+    fan = jnp.array([[3, 1, 1, 1]] * B, jnp.int32)
+    sc, glue_kv = build_cache(runner.graphdef, runner.params, None, state, spec, cache, sampling,
+                              fan, jnp.float32(1.0), M, True)
+    cache = commit(cache, glue_kv, state.lengths)
+    n = jnp.array([0, 0])
+    cached = {int(x) for x in sc.fork_tok[1][np.asarray(sc.branch_j[1]) == 0]}
+    miss_tok = next(x for x in range(128) if x not in cached)
+    t = jnp.array([int(sc.fork_tok[0, 0]), miss_tok])
+    assert int(sc.branch_j[0, 0]) == 0
+    history = jnp.zeros((B, S), jnp.int32)
+
+    def run(done):
+        adv = state._replace(prev=state.last, last=t, lengths=state.lengths + 1,
+                             done=jnp.array(done))
+        toks, _, _, hit, _ = select(runner.graphdef, runner.params, None, adv, sc, n, t, history,
+                                    cache, sampling, fan, jnp.float32(1.0), "neural", True, K, K)
+        return adv, np.asarray(toks), np.asarray(hit)
+
+    adv, toks, hit = run([False, False])
+    assert hit.tolist() == [True, False]
+    np.testing.assert_array_equal(toks[0], np.asarray(sc.tokens[0, 0]))
+    want, _ = neural_backup(nnx.merge(runner.graphdef, runner.params), None, adv, cache,
+                            sampling, fan, jnp.float32(1.0), K, K, True)
+    np.testing.assert_array_equal(toks[1], np.asarray(want[1]))
+    assert toks[1].any()  # the skipped branch would give zeros: this test tells them apart
+    _, toks, _ = run([False, True])
+    np.testing.assert_array_equal(toks[1], 0)  # backup skipped: row 1 is done
+    np.testing.assert_array_equal(toks[0], np.asarray(sc.tokens[0, 0]))
 
 
 def test_truncated_vocab_draft_is_lossless(pair, tmp_path):
