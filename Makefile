@@ -22,8 +22,15 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m slow
 
+# Every benchmark the README's Results section reports (about 1.5 h on the 2-core dev VM; run
+# on an idle machine). The SSD table is rewritten into README.md between its markers.
 bench: $(STAMP)
+	$(VENV)/bin/ssd-bench --mode all --suite all --num-prompts 8 --output-len 64 --peers \
+		--out results/ --readme README.md
 	$(VENV)/bin/python -m bench.ar_vs_torch
+	$(VENV)/bin/python -m bench.verify_cost
+	$(VENV)/bin/python -m bench.decode_throughput
+	$(VENV)/bin/python -m ssd_jax.distill measure
 
 # The shipped draft's whole training pipeline (checkpoints/smollm2-draft/README.md, 59 min on
 # 2 cores before the KV cache became head-major, which makes the batched data stage faster):

@@ -84,6 +84,9 @@ def main(argv=None):
     ap.add_argument("--engine", choices=["both", "jax", "torch"], default="both")
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args(argv)
+    if args.new_tokens < 2 or args.threads < 1:
+        ap.error(f"--new-tokens {args.new_tokens} / --threads {args.threads}: need at least 2 "
+                 "new tokens (decode speed excludes the first) and 1 thread")
     if args.engine != "both":
         import torch
         torch.set_num_threads(args.threads)

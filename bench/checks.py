@@ -24,6 +24,11 @@ def validate(args) -> tuple[list[str], list[Point]]:
                     *[("--sweep-batch", b) for b in args.sweep_batch]):
         if v < 1:
             raise BenchError(f"{flag} {v} is invalid: it must be >= 1")
+    biggest = max([args.batch, *args.sweep_batch])
+    if biggest > args.num_prompts:
+        raise BenchError(f"batch {biggest} is larger than --num-prompts {args.num_prompts}: a "
+                         "batch is made of a suite's prompts; raise --num-prompts or lower "
+                         "--batch / --sweep-batch")
     for k in [args.k, *args.sweep_k]:
         if k < 1:
             raise BenchError(f"K={k} is invalid: lookahead must be >= 1 (--k / --sweep-k)")
@@ -53,7 +58,7 @@ def device_split(args) -> tuple[int, int] | None:
     """(target, draft) devices, checked against what this machine has."""
     if args.target_devices is None and args.draft_devices is None:
         return None
-    split = (args.target_devices or 1, args.draft_devices or 1)
+    split = tuple(1 if v is None else v for v in (args.target_devices, args.draft_devices))
     for flag, v in zip(("--target-devices", "--draft-devices"), split):
         if v < 1:
             raise BenchError(f"{flag} {v} is invalid: each side needs at least one device")

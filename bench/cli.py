@@ -136,7 +136,7 @@ def run(args, argv) -> dict:
     from ssd_jax import LLM
     try:
         llm = LLM(args.target, draft=args.draft if load_draft else None, dtype=args.dtype,
-                  spec=points[0].spec(), engine=engine)
+                  spec=points[0].spec(), engine=engine, progress=not args.no_progress)
     except (FileNotFoundError, ValueError) as e:
         raise BenchError(str(e).splitlines()[0])
     notes = []

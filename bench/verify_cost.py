@@ -26,6 +26,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.max_k < 0 or args.repeats < 1 or args.cache < 2 * (args.max_k + 1):
+        ap.error(f"--max-k {args.max_k}, --repeats {args.repeats}, --cache {args.cache}: need "
+                 "max-k >= 0, repeats >= 1 and a cache of at least 2(max-k+1) slots (the prefix "
+                 "fills half)")
     from ssd_jax.loading import load
     from ssd_jax.models import causal_mask
     from ssd_jax.runner import ModelRunner

@@ -3,8 +3,8 @@
     python -m ssd_jax "What is the capital of France?" [--mode ssd|sd|ar] [--max-new-tokens 128]
 
 SSD on CPU runs the target and the draft in two worker processes pinned to different cores
-(started and stopped here); AR and SD run in the same pinned target worker, so the modes compare
-fairly.
+(started and stopped here); AR and SD run in this process unless --driver processes. For
+like-for-like timings of the three modes use `ssd-bench`.
 """
 from __future__ import annotations
 
@@ -15,40 +15,60 @@ from ssd_jax import LLM, EngineConfig, SamplingParams
 from ssd_jax.config import SpecConfig
 
 
+def _cli_words(e: Exception) -> str:
+    """The library's fixes name config fields; on the command line they are flags."""
+    return (str(e).replace("EngineConfig(max_seq_len=...)", "--max-seq-len")
+            .replace("SpecConfig(k=...)", "--k"))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ssd_jax", description=__doc__.split("\n")[0])
     ap.add_argument("prompt", nargs="?", default="What is the capital of France?")
     ap.add_argument("--model", default="smollm2", help="target: name, .gguf, HF dir or orbax dir")
-    ap.add_argument("--draft", default="smollm2-draft", help="draft: name, HF dir or orbax dir")
+    ap.add_argument("--draft", default="smollm2-draft", help="draft: name, .gguf, HF dir or orbax dir")
     ap.add_argument("--mode", default="ssd", choices=["ar", "sd", "ssd"])
     ap.add_argument("--k", type=int, default=None, help="lookahead (default: SpecConfig's)")
+    ap.add_argument("--budget", type=int, default=0, help="SSD branches per row M (0: 2(K+1))")
+    ap.add_argument("--fanout", default="geometric", choices=["uniform", "geometric", "empirical"])
+    ap.add_argument("--backup", default="neural", choices=["neural", "fast", "auto"])
+    ap.add_argument("--c", type=float, default=1.0, help="Saguaro sampling constant in (0, 1]")
     ap.add_argument("--driver", default="auto", choices=["auto", "single", "processes"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="weights and compute (bfloat16 on GPU/TPU; float32 is faster on CPU)")
     ap.add_argument("--mesh", default=None, metavar="NT,ND",
                     help="target devices, draft devices (e.g. 7,1 on an 8-GPU node)")
+    ap.add_argument("--max-seq-len", type=int, default=1024, help="context (KV cache) length")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=None, help="default: from the engine's seed 0")
     args = ap.parse_args(argv)
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                top_p=args.top_p, seed=args.seed)
-        spec = SpecConfig() if args.k is None else SpecConfig(k=args.k)
+                                top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        spec_kw = dict(budget=args.budget, fanout=args.fanout, backup=args.backup, c=args.c)
+        spec = SpecConfig(**spec_kw) if args.k is None else SpecConfig(k=args.k, **spec_kw)
         mesh = None
         if args.mesh:
             try:
                 mesh = tuple(int(x) for x in args.mesh.split(","))
             except ValueError:
                 raise ValueError(f"--mesh {args.mesh!r}: give two integers, e.g. --mesh 4,1")
-        llm = LLM(args.model, draft=None if args.mode == "ar" else args.draft, spec=spec,
-                  dtype=args.dtype, engine=EngineConfig(driver=args.driver, mesh=mesh))
+        # AR needs no draft, except that worker processes always start both models.
+        need_draft = args.mode != "ar" or args.driver == "processes"
+        llm = LLM(args.model, draft=args.draft if need_draft else None, spec=spec,
+                  dtype=args.dtype, engine=EngineConfig(driver=args.driver, mesh=mesh,
+                                                        max_seq_len=args.max_seq_len))
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_cli_words(e)}", file=sys.stderr)
         return 2
     with llm:
-        compile_s = llm.warmup(args.prompt, params, mode=args.mode)
+        try:
+            compile_s = llm.warmup(args.prompt, params, mode=args.mode)
+        except ValueError as e:  # bad prompt / context: checked before anything runs
+            print(f"error: {_cli_words(e)}", file=sys.stderr)
+            return 2
         print(f"> {args.prompt}", flush=True)
         for piece in llm.stream(args.prompt, params, mode=args.mode):
             print(piece, end="", flush=True)

@@ -6,9 +6,19 @@ They are hashable, so they can be `static_argnames` of `jax.jit`; every one vali
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 
 SUPPORTED_ARCHS = ("llama", "qwen3")
+
+
+def _require_ints(obj, *names: str) -> None:
+    """A float K or token count would fail deep inside jit with a shape error: catch it here."""
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{name}={value!r} is invalid: it must be an integer")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -100,9 +110,17 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not self.temperature >= 0.0:
+        _require_ints(self, "top_k", "max_new_tokens")
+        if self.seed is not None:
+            _require_ints(self, "seed")
+        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
             raise ValueError(
-                f"temperature={self.temperature} is invalid: use 0 for greedy or a value > 0")
+                f"temperature={self.temperature} is invalid: use 0 for greedy or a finite value > 0")
+        if isinstance(self.stop_token_ids, numbers.Integral) or not all(
+                isinstance(t, numbers.Integral) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} is invalid: give a tuple of "
+                             "token ids, e.g. stop_token_ids=(2,)")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} is invalid: use 0 (off) or a positive count")
         if not 0.0 < self.top_p <= 1.0:
@@ -125,6 +143,7 @@ class SpecConfig:
     backup: str = "neural"  # SSD: "neural" | "fast" | "auto"
 
     def __post_init__(self):
+        _require_ints(self, "k", "budget")
         if self.k < 1:
             raise ValueError(f"K={self.k} is invalid: lookahead must be >= 1")
         if self.fanout not in ("uniform", "geometric", "empirical"):
@@ -161,6 +180,8 @@ class EngineConfig:
     seed: int | None = 0
 
     def __post_init__(self):
+        _require_ints(self, "max_batch", "max_seq_len", "prefill_bucket", "sync_every",
+                      "worker_devices")
         for name in ("max_batch", "max_seq_len", "prefill_bucket", "sync_every",
                      "worker_devices"):
             if getattr(self, name) < 1:
@@ -170,3 +191,9 @@ class EngineConfig:
                              " each >= 1")
         if self.driver not in ("auto", "single", "processes"):
             raise ValueError(f"driver={self.driver!r}: use 'auto', 'single' or 'processes'")
+        if self.mesh is not None and self.driver == "processes":
+            raise ValueError(
+                f"mesh={self.mesh} with driver='processes': the worker processes lay out their "
+                "own devices (worker_devices per side); drop mesh, or use driver='single'")
+        if self.seed is not None:
+            _require_ints(self, "seed")

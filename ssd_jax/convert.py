@@ -1,15 +1,21 @@
 """Convert an HF directory or a GGUF file (or a model name) into an ssd_jax orbax checkpoint.
 
-    python -m ssd_jax.convert SRC DST [--dtype float32|bfloat16]
+    python -m ssd_jax.convert SRC DST [--dtype float32|bfloat16] [--force]
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from ssd_jax.loading import load
-from ssd_jax.loading.orbax_ckpt import save
+from ssd_jax.loading.orbax_ckpt import is_orbax_dir, save
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
 
 
 def main(argv=None) -> int:
@@ -17,13 +23,24 @@ def main(argv=None) -> int:
     ap.add_argument("src", help="HF directory, .gguf file, orbax dir, or a name such as 'smollm2'")
     ap.add_argument("dst", help="output directory for the orbax checkpoint")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--force", action="store_true", help="replace an existing DST checkpoint")
     args = ap.parse_args(argv)
+    dst = Path(args.dst)
+    # Check DST before the (slow) load, and never write over something that is not ours.
+    if dst.exists() and not dst.is_dir():
+        return _fail(f"{dst} exists and is a file: give a directory path for the checkpoint")
+    if dst.is_dir() and any(dst.iterdir()):
+        if not is_orbax_dir(dst):
+            return _fail(f"{dst} is a non-empty directory that is not an ssd_jax checkpoint: "
+                         "give a new or empty directory")
+        if not args.force:
+            return _fail(f"{dst} already holds a checkpoint: pass --force to replace it, or "
+                         "give another directory")
     t0 = time.perf_counter()
     try:
         model, tokenizer, extra = load(args.src, dtype=args.dtype, progress=True)
     except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _fail(str(e))
     print(f"[convert] loaded {args.src} ({model.config.arch}, {model.config.num_layers} layers) "
           f"in {time.perf_counter() - t0:.1f}s; writing orbax checkpoint ...", file=sys.stderr)
     out = save(model, tokenizer, args.dst, extra=extra)

@@ -31,7 +31,8 @@ from ssd_jax.models.attention import causal_mask
 from ssd_jax.models.transformer import KVCache
 from ssd_jax.runner import RowSampling
 from ssd_jax.sampling import process_probs, sample, saguaro_rescale
-from ssd_jax.sd import DRAFT_STREAM, SpecState, draft_in, draft_out, stream_keys
+from ssd_jax.sd import (DRAFT_STREAM, SpecState, draft_in, draft_space, stream_keys, target_ids,
+                        target_probs)
 
 NEG_INF = -1e30
 
@@ -41,31 +42,40 @@ class SpecCache(NamedTuple):
 
     branch_j [B, M]: accept length the branch assumes (-1: empty slot, never hit);
     fork_tok [B, M]: the recovery/bonus token it assumes; tokens [B, M, K]: its speculation;
-    q [B, M, K, V]: the distributions those tokens were drawn from (None when all greedy);
+    q [B, M, K, Vd]: the distributions those tokens were drawn from, over the draft's vocabulary
+    (None when all greedy);
     cand [B, K+1, Fmax]: glue candidates by rank, for the hit-rate-vs-F statistics.
     """
 
     branch_j: Int[Array, "B M"]
     fork_tok: Int[Array, "B M"]
     tokens: Int[Array, "B M K"]
-    q: Float[Array, "B M K V"] | None
+    q: Float[Array, "B M K Vd"] | None
     cand: Int[Array, "B K1 F"]
 
 
+def draft_vocab_size(vocab, target_vocab_size: int) -> int:
+    """The size of the space the draft proposes in (SpecCache.q's last axis, the fork's)."""
+    return target_vocab_size if vocab is None else vocab.draft_size
+
+
 def empty_cache(batch: int, m: int, k: int, vocab_size: int | None) -> SpecCache:
-    """The cache before the first round: no branch can hit. vocab_size=None when all greedy."""
+    """The cache before the first round: no branch can hit. vocab_size (the draft's, see
+    draft_vocab_size) is None when all greedy."""
     q = None if vocab_size is None else jnp.zeros((batch, m, k, vocab_size), jnp.float32)
     return SpecCache(jnp.full((batch, m), -1, jnp.int32), jnp.full((batch, m), -1, jnp.int32),
                      jnp.zeros((batch, m, k), jnp.int32), q,
                      jnp.full((batch, k + 1, 1), -1, jnp.int32))
 
 
-def propose_tokens(logits: Float[Array, "B N V"], sampling: RowSampling,
+def propose_tokens(logits: Float[Array, "B N Vd"], sampling: RowSampling,
                    positions: Int[Array, "B N"], num_top: Int[Array, " B"], c, fmax: int,
-                   greedy_only: bool):
-    """Draft tokens for N parallel positions per row and the q' they were drawn from."""
+                   greedy_only: bool, vocab=None):
+    """Draft tokens (target ids) for N parallel positions per row and the q' they were drawn
+    from, over the draft vocabulary (`target_probs` maps it to the target's)."""
+    logits = draft_space(vocab, logits)
     if greedy_only:
-        return jnp.argmax(logits, -1).astype(jnp.int32), None
+        return target_ids(vocab, jnp.argmax(logits, -1).astype(jnp.int32)), None
     B, N, V = logits.shape
     q = process_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
     q = saguaro_rescale(q, num_top, c, fmax)  # num_top: next round's fork count here
@@ -74,7 +84,7 @@ def propose_tokens(logits: Float[Array, "B N V"], sampling: RowSampling,
         positions.reshape(-1))
     tok = sample(q.reshape(B * N, V), keys).reshape(B, N)
     # Greedy rows in a mixed batch: process_probs gave a one-hot, so the sample is the argmax.
-    return tok, q
+    return target_ids(vocab, tok), q
 
 
 def branch_layout(fan: Int[Array, "B K1"], m: int) -> tuple[Int[Array, "B M"], Int[Array, "B M"]]:
@@ -108,14 +118,15 @@ def build_cache(graphdef, params, vocab, state: SpecState, spec: Int[Array, "B K
     tokens = jnp.concatenate([state.last[:, None], spec], axis=1)
     glue_logits, glue_kv = model(draft_in(vocab, tokens), L[:, None] + jnp.arange(K + 1), cache,
                                  L, causal_mask(B, K + 1))
-    g = draft_out(vocab, glue_logits)  # [B, K+1, V]
+    g = draft_space(vocab, glue_logits)  # [B, K+1, Vd]
 
-    # Fork: exclude s_{j+1} at j < K, rank the rest by the draft's logits.
+    # Fork: exclude s_{j+1} at j < K, rank the rest by the draft's logits (in the draft's
+    # vocabulary; candidates are mapped to target ids).
     V = g.shape[-1]
-    excluded = jnp.concatenate([spec, jnp.full((B, 1), -1, spec.dtype)], axis=1)
+    excluded = jnp.concatenate([draft_in(vocab, spec), jnp.full((B, 1), -1, spec.dtype)], axis=1)
     g_fork = jnp.where(jnp.arange(V)[None, None, :] == excluded[:, :, None], NEG_INF, g)
     fmax = min(M, V)
-    cand = jax.lax.top_k(g_fork, fmax)[1].astype(jnp.int32)  # [B, K+1, Fmax]
+    cand = target_ids(vocab, jax.lax.top_k(g_fork, fmax)[1].astype(jnp.int32))  # [B, K+1, F]
     branch_j, rank = branch_layout(fan, M)
     fork_tok = jnp.take_along_axis(cand.reshape(B, -1), branch_j * fmax + rank, axis=1)
 
@@ -127,8 +138,8 @@ def build_cache(graphdef, params, vocab, state: SpecState, spec: Int[Array, "B K
                            extra=extra)
         # Token `step` of a branch is verified at position `step` next round, where the
         # fork uses fan[:, step] candidates: that is the Saguaro top set.
-        x, q = propose_tokens(draft_out(vocab, logits), sampling, pos + 1, fan[:, step], c,
-                              fmax, greedy_only)
+        x, q = propose_tokens(logits, sampling, pos + 1, fan[:, step], c, fmax,
+                              greedy_only, vocab)
         toks.append(x)
         qs.append(q)
         extra = jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), extra, kv)
@@ -147,8 +158,8 @@ def neural_backup(model, vocab, state: SpecState, cache: KVCache, sampling: RowS
     for step in range(k):
         mask = jnp.ones((B, 1, step + 1), bool)
         logits, kv = model(draft_in(vocab, x), pos, cache, state.lengths, mask, extra=extra)
-        x, q = propose_tokens(draft_out(vocab, logits), sampling, pos + 1, fan[:, step], c,
-                              fmax, greedy_only)
+        x, q = propose_tokens(logits, sampling, pos + 1, fan[:, step], c, fmax,
+                              greedy_only, vocab)
         toks.append(x[:, 0])
         qs.append(None if q is None else q[:, 0])
         extra = kv if extra is None else jax.tree.map(
@@ -165,7 +176,7 @@ def select(graphdef, params, vocab, state: SpecState, spec_cache: SpecCache,
            greedy_only: bool, k: int, fmax: int):
     """Next speculation per row: the cached branch for outcome (n, t) on a hit, else the
     backup. `state` is already advanced (r = t at the new length). Returns tokens [B, K],
-    q [B, K, V] | None, point_mass [B] (fast-backup guesses), hit [B], rank [B] (rank of t
+    q [B, K, V] | None (over the target vocabulary; the cache keeps the draft's), point_mass [B] (fast-backup guesses), hit [B], rank [B] (rank of t
     among the glue candidates at n, Fmax when absent: feeds the fan-out's power-law fit)."""
     match = ((spec_cache.branch_j == n[:, None]) & (spec_cache.fork_tok == t[:, None])
              & (spec_cache.branch_j >= 0))
@@ -184,7 +195,7 @@ def select(graphdef, params, vocab, state: SpecState, spec_cache: SpecCache,
         if not greedy_only:
             hit_q = jnp.take_along_axis(spec_cache.q, m[:, None, None, None], axis=1)[:, 0]
             q = jnp.where(hit[:, None, None], hit_q, 0.0)
-        return tokens, q, point_mass, hit, rank
+        return tokens, target_probs(vocab, q), point_mass, hit, rank
     model = nnx.merge(graphdef, params)
 
     def run_backup(_):
@@ -204,4 +215,4 @@ def select(graphdef, params, vocab, state: SpecState, spec_cache: SpecCache,
     if not greedy_only:
         hit_q = jnp.take_along_axis(spec_cache.q, m[:, None, None, None], axis=1)[:, 0]
         q = jnp.where(hit[:, None, None], hit_q, b_q)
-    return tokens, q, jnp.zeros((B,), bool), hit, rank
+    return tokens, target_probs(vocab, q), jnp.zeros((B,), bool), hit, rank

@@ -5,6 +5,7 @@ bucket); shapes are bucketed so repeated calls reuse compiled programs.
 """
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -37,6 +38,36 @@ class RequestOutput:
     text: str
     finish_reason: str  # "stop" (stop/EOS token) or "length" (max_new_tokens)
     metrics: RunMetrics | None = field(default=None, repr=False)
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _prompt_kind(prompt) -> str | None:
+    """"text", "ids" (a 1-D sequence of integers) or "chat" (a list of message dicts); None
+    when `prompt` is none of these (e.g. a batch of prompts)."""
+    if isinstance(prompt, str):
+        return "text"
+    if isinstance(prompt, np.ndarray):
+        return "ids" if prompt.ndim == 1 and np.issubdtype(prompt.dtype, np.integer) else None
+    if isinstance(prompt, (list, tuple)) and prompt:
+        if all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+            return "ids"
+        if all(isinstance(m, dict) for m in prompt):
+            return "chat"
+    return None
+
+
+def _check_messages(messages: list[dict]) -> None:
+    for m in messages:
+        if m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str):
+            raise ValueError(f"chat message {_short(m)} is invalid: each message needs a 'role' "
+                             f"({', '.join(CHAT_ROLES)}) and a text 'content'")
+
+
+def _short(x, n: int = 60) -> str:
+    r = repr(x)
+    return r if len(r) <= n else r[:n - 3] + "..."
 
 
 def vocab_from_extra(extra: dict):
@@ -73,7 +104,11 @@ class LLM:
                  draft: str | Path | Transformer | None = None,
                  tokenizer: Tokenizer | None = None, dtype: str = "float32",
                  spec: SpecConfig = SpecConfig(), engine: EngineConfig = EngineConfig(),
-                 cache_dir: Path | None = None):
+                 cache_dir: Path | None = None, progress: bool = True):
+        for name, value, cls in (("spec", spec, SpecConfig), ("engine", engine, EngineConfig)):
+            if not isinstance(value, cls):
+                raise ValueError(f"{name}={_short(value)} is invalid: pass "
+                                 f"{name}={cls.__name__}(...)")
         distributed.initialize()  # multi-host jobs: join before any device is touched
         # Names/paths let worker processes load the same models (the "processes" driver).
         self.paths = (None if isinstance(model, Transformer) else str(model),
@@ -82,8 +117,13 @@ class LLM:
         if isinstance(model, Transformer):
             self.model, self.tokenizer = model, tokenizer
         else:
-            self.model, self.tokenizer, _ = load(model, dtype=dtype, cache_dir=cache_dir,
-                                                 progress=True)
+            self.model, self.tokenizer, extra = load(model, dtype=dtype, cache_dir=cache_dir,
+                                                     progress=progress)
+            if vocab_from_extra(extra) is not None:
+                raise ValueError(
+                    f"{model!r} is a draft with a truncated vocabulary (its ids map to a "
+                    "target's): it cannot be the target; use it as a draft, e.g. "
+                    f"LLM('smollm2', draft={str(model)!r})")
         self.engine, self.spec = engine, spec
         # Seeds for requests that bring none (drawn in the order requests arrive).
         self._seeds = np.random.default_rng(engine.seed)
@@ -113,25 +153,33 @@ class LLM:
 
     # ---------------------------------------------------------------- prompts and validation
     def _encode(self, prompt: Prompt, chat: bool) -> list[int]:
-        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
-                                       and isinstance(prompt[0], dict)):
-            if isinstance(prompt, str) and not prompt:
+        kind = _prompt_kind(prompt)
+        if isinstance(prompt, (list, tuple, np.ndarray)) and len(prompt) == 0:
+            raise ValueError("prompt is empty: give at least one token")
+        if kind is None:
+            raise ValueError(f"prompt {_short(prompt)} is not a prompt: give text, a list of "
+                             "token ids, or chat messages [{'role': 'user', 'content': '...'}]")
+        if kind == "ids":
+            ids = [int(t) for t in prompt]
+            if not ids:
+                raise ValueError("prompt is empty: give at least one token")
+        else:
+            if kind == "text" and not prompt:
                 raise ValueError("prompt is empty: give at least one character or token")
+            if kind == "chat":
+                _check_messages(prompt)
             if self.tokenizer is None:
                 raise ValueError("this LLM has no tokenizer: pass prompts as token-id lists")
-            if chat:
-                messages = prompt if isinstance(prompt, list) else [
-                    {"role": "user", "content": prompt}]
+            if kind == "chat" or chat:
+                messages = prompt if kind == "chat" else [{"role": "user", "content": prompt}]
                 text = self.tokenizer.apply_chat_template(messages)
-                return self.tokenizer.encode(text, add_special_tokens=False)
-            return self.tokenizer.encode(prompt)
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt is empty: give at least one token")
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+            else:
+                ids = self.tokenizer.encode(prompt)
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary "
-                             f"[0, {self.config.vocab_size})")
+            raise ValueError(f"token ids {bad[:5]} are outside the model's vocabulary "
+                             f"[0, {self.config.vocab_size}): give ids of this model's tokenizer")
         return ids
 
     def _stop_ids(self, p: SamplingParams) -> list[int]:
@@ -269,12 +317,20 @@ class LLM:
             yield out, reason, metrics
 
     def _prepare(self, prompts, sampling_params, chat):
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if _prompt_kind(prompts) is not None:  # one prompt, not a batch
             prompts = [prompts]
-        if not prompts:
-            raise ValueError("no prompts given: pass a list with at least one prompt")
+        elif isinstance(prompts, np.ndarray) and prompts.ndim == 2:
+            prompts = list(prompts)  # a [batch, length] array of token ids
+        prompts = list(prompts) if isinstance(prompts, (list, tuple)) else prompts
+        if not isinstance(prompts, list) or not prompts:
+            raise ValueError("no prompts given: pass a prompt or a list with at least one prompt")
         params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
                   else [sampling_params] * len(prompts))
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params must be SamplingParams (one, or one per "
+                                 f"prompt), not {type(p).__name__}: e.g. SamplingParams("
+                                 "max_new_tokens=64)")
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, "
                              "or one per prompt")
@@ -292,8 +348,8 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
                  *, chat: bool = True, mode: str | None = None) -> list[RequestOutput]:
         """Generate for a batch of prompts. Strings go through the chat template unless
-        chat=False; token-id lists are used as they are. mode: "ar" or "sd" (default: "sd"
-        when a draft is loaded, else "ar")."""
+        chat=False; token-id lists are used as they are. mode: "ar", "sd" or "ssd" (default:
+        "sd" when a draft is loaded, else "ar")."""
         mode = self._resolve_mode(mode)
         ids, params = self._prepare(prompts, sampling_params, chat)
         out = reason = metrics = None
@@ -317,6 +373,9 @@ class LLM:
     def stream(self, prompt: Prompt, sampling_params: SamplingParams = SamplingParams(),
                *, chat: bool = True, mode: str | None = None) -> Iterator[str]:
         """Yield text pieces of one request as they are decoded."""
+        if _prompt_kind(prompt) is None:
+            raise ValueError("stream() takes one prompt (text, token ids or chat messages); "
+                             "use generate() for a batch")
         mode = self._resolve_mode(mode)
         ids, params = self._prepare([prompt], sampling_params, chat)
         shown = ""

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from ssd_jax.batch import Batch
 from ssd_jax.config import SpecConfig
-from ssd_jax.draft import build_cache, empty_cache, select
+from ssd_jax.draft import build_cache, draft_vocab_size, empty_cache, select
 from ssd_jax.fanout import FanoutModel
 from ssd_jax.metrics import RunMetrics
 from ssd_jax.models.transformer import KVCache, commit
@@ -152,6 +152,7 @@ def draft_loop(draft: ModelRunner, vocab, batch: Batch, cache: KVCache, spec: Sp
                sync_every: int, ex: Exchange, vocab_size: int, backup: str = "neural") -> dict:
     """The draft process: mirrors target_loop's exchanges round for round."""
     K, M, B, greedy = spec.k, spec.branches, batch.size, batch.greedy_only
+    vocab_size = draft_vocab_size(vocab, vocab_size)
     fmax = min(M, vocab_size)
     c = jnp.float32(spec.c)
     fan_model = FanoutModel(spec.fanout, K, M)

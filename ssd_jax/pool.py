@@ -36,8 +36,11 @@ class WorkerPool:
                  devices_per_worker: int = 1):
         self.target, self.draft, self.dtype = str(target), str(draft), dtype
         self.devices_per_worker = devices_per_worker
-        n = os.cpu_count() or 1
-        self.cores = cores if cores is not None else ((0, 1) if n >= 2 else (None, None))
+        # The cores this process may use (a container's cpuset need not start at core 0).
+        usable = (sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                  else list(range(os.cpu_count() or 1)))
+        self.cores = cores if cores is not None else (
+            (usable[0], usable[1]) if len(usable) >= 2 else (None, None))
         self.start_timeout = start_timeout
         self.procs: dict[str, subprocess.Popen] = {}
         self.conns: dict = {}

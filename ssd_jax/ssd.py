@@ -25,7 +25,7 @@ import numpy as np
 from ssd_jax.backup import append_tokens
 from ssd_jax.batch import Batch
 from ssd_jax.config import SpecConfig
-from ssd_jax.draft import build_cache, empty_cache, select
+from ssd_jax.draft import build_cache, draft_vocab_size, empty_cache, select
 from ssd_jax.fanout import FanoutModel
 from ssd_jax.metrics import RunMetrics
 from ssd_jax.models.transformer import KVCache, commit
@@ -118,7 +118,7 @@ def ssd_loop(target: ModelRunner, draft: ModelRunner, vocab, batch: Batch,
              backup: str = "neural") -> Iterator[list[list[int]]]:
     K, M = spec.k, spec.branches
     B = batch.size
-    V = target.config.vocab_size
+    V = draft_vocab_size(vocab, target.config.vocab_size)
     fan_model = FanoutModel(spec.fanout, K, M)
     stats = SSDStats(accept_hit=np.zeros(K + 1, np.int64), accept_miss=np.zeros(K + 1, np.int64))
     metrics.ssd = stats

@@ -140,6 +140,8 @@ def test_math_answers():
     (["--k", "4", "--budget", "3"], "budget 3 is smaller than K+1=5"),
     (["--target-devices", "64", "--draft-devices", "64"], "lower the split"),
     (["--sweep-k", "2,x"], "comma-separated list"),
+    (["--target-devices", "0"], "--target-devices 0 is invalid"),
+    (["--batch", "4", "--num-prompts", "2"], "batch 4 is larger than --num-prompts 2"),
 ])
 def test_bad_flags_exit_2_with_one_line(argv, needle, capsys):
     assert main(argv + ["--no-progress"]) == 2

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from ssd_jax import LLM, EngineConfig, SamplingParams
+from ssd_jax.config import SpecConfig
 from ssd_jax.loading import load
 
 ENGINE = EngineConfig(max_batch=4, max_seq_len=256, prefill_bucket=16)
@@ -111,12 +112,35 @@ def test_stream_concatenates_to_generate(smollm2):
     (dict(prompts=[[]]), "prompt is empty"),
     (dict(prompts=[[1] * 250], params=SamplingParams(max_new_tokens=10)), "more than the context"),
     (dict(prompts=[[1]] * 5), "exceeds max_batch=4"),
-    (dict(prompts=[[1, 999]]), "outside the vocabulary"),
+    (dict(prompts=[[1, 999]]), "outside the model's vocabulary"),
+    (dict(prompts=[{"role": "user"}]), "chat message .* is invalid"),
+    (dict(prompts=[{"role": "bogus", "content": "hi"}]), "chat message .* is invalid"),
+    (dict(prompts=[[1, 2], 3.5]), "3.5 is not a prompt"),
+    (dict(prompts=[[1, 2]], params={"max_new_tokens": 2}), "must be SamplingParams"),
+    (dict(prompts=[[1, 2]], params=None), "must be SamplingParams"),
 ])
 def test_bad_input_names_the_problem(tiny, bad, match):
     llm, _ = tiny
     with pytest.raises(ValueError, match=match):
         llm.generate(bad["prompts"], bad.get("params", SamplingParams()))
+
+
+def test_prompt_forms(tiny):
+    """One prompt or a batch, as lists, tuples, numpy arrays or numpy ints; chat messages."""
+    llm, _ = tiny
+    p = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    want = llm.generate([[5, 9, 11]], p)[0].token_ids
+    for one in ([5, 9, 11], (5, 9, 11), np.array([5, 9, 11]), [np.int64(5), 9, np.int32(11)]):
+        assert [o.token_ids for o in llm.generate(one, p)] == [want]
+    two = llm.generate(np.array([[5, 9, 11], [5, 9, 11]]), p)
+    assert [o.token_ids for o in two] == [want, want]
+    with pytest.raises(ValueError, match="stream\\(\\) takes one prompt"):
+        next(llm.stream([[5, 9, 11], [1, 2]], p))
+
+
+def test_truncated_vocab_draft_cannot_be_the_target():
+    with pytest.raises(ValueError, match="truncated vocabulary.*use it as a draft"):
+        LLM("smollm2-draft")
 
 
 def test_bad_sampling_params():
@@ -126,6 +150,24 @@ def test_bad_sampling_params():
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="max_new_tokens=0"):
         SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="temperature=inf is invalid"):
+        SamplingParams(temperature=float("inf"))
+    with pytest.raises(ValueError, match="max_new_tokens=2.5 is invalid: it must be an integer"):
+        SamplingParams(max_new_tokens=2.5)
+    with pytest.raises(ValueError, match="stop_token_ids=2 is invalid"):
+        SamplingParams(stop_token_ids=2)
+    with pytest.raises(ValueError, match="seed=-1 is invalid"):
+        SamplingParams(seed=-1)
+    assert SamplingParams(stop_token_ids=[2, 3]).stop_token_ids == (2, 3)  # hashable
+
+
+def test_bad_configs():
+    with pytest.raises(ValueError, match="k=2.5 is invalid: it must be an integer"):
+        SpecConfig(k=2.5)
+    with pytest.raises(ValueError, match="drop mesh, or use driver='single'"):
+        EngineConfig(mesh=(1, 1), driver="processes")
+    with pytest.raises(ValueError, match="pass engine=EngineConfig"):
+        LLM("/unused", engine={"max_batch": 2})
 
 
 def test_unknown_model_path():

@@ -29,6 +29,21 @@ def test_orbax_roundtrip_gives_identical_logits(tiny_qwen3, tmp_path):
     np.testing.assert_array_equal(_logits(restored, ids), _logits(model, ids))
 
 
+def test_convert_never_overwrites_silently(tiny_qwen3, tmp_path, capsys):
+    src, dst = str(tiny_qwen3[0]), tmp_path / "ckpt"
+    assert convert_main([src, str(dst)]) == 0
+    assert convert_main([src, str(dst)]) == 2
+    assert "pass --force" in capsys.readouterr().err
+    assert convert_main([src, str(dst), "--force"]) == 0
+    (tmp_path / "file").write_text("keep me")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("keep me")
+    assert convert_main([src, str(tmp_path / "file")]) == 2
+    assert convert_main([src, str(tmp_path / "other"), "--force"]) == 2
+    assert "not an ssd_jax checkpoint" in capsys.readouterr().err
+    assert (tmp_path / "other" / "notes.txt").read_text() == "keep me"
+
+
 def test_sharded_safetensors_index(tiny_llama, tmp_path):
     """A model saved in several shards with an index loads to the same logits."""
     _, hf_model = tiny_llama

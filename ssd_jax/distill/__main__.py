@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ssd_jax.loading.registry import DEFAULT_CACHE, SHIPPED
+from ssd_jax.loading.registry import DEFAULT_CACHE
 
 DATA_DIR = DEFAULT_CACHE / "distill"
 
@@ -35,7 +35,9 @@ def main(argv=None) -> int:
     t = sub.add_parser("train", help="KD training (resumable), then export the checkpoint")
     t.add_argument("--data", type=Path, default=DATA_DIR / "dataset.npz")
     t.add_argument("--work", type=Path, default=DATA_DIR / "train")
-    t.add_argument("--out", type=Path, default=SHIPPED["smollm2-draft"])
+    # Not the shipped checkpoint by default: a trial run must not replace it (`make draft`
+    # passes --out checkpoints/smollm2-draft on purpose).
+    t.add_argument("--out", type=Path, default=DEFAULT_CACHE / "distill-draft")
     t.add_argument("--steps", type=int, default=3000)
     t.add_argument("--minutes", type=float, default=0.0,
                    help="stop early (and export) after this much wall time; 0 = no limit")
@@ -50,6 +52,11 @@ def main(argv=None) -> int:
     m.add_argument("-K", type=int, default=5)
     m.add_argument("--json", type=Path, default=None, help="also write the report here")
     args = ap.parse_args(argv)
+    for flag in ("K", "max_new_tokens", "gen_batches", "batch", "batches", "steps", "top_k"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            name = "-K" if flag == "K" else "--" + flag.replace("_", "-")
+            ap.error(f"{name} {value} is invalid: it must be >= 1")
 
     if args.cmd == "data":
         from ssd_jax.distill.data import DataConfig, build
