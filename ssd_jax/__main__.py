@@ -25,7 +25,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ssd_jax", description=__doc__.split("\n")[0])
     ap.add_argument("prompt", nargs="?", default="What is the capital of France?")
     ap.add_argument("--model", default="smollm2", help="target: name, .gguf, HF dir or orbax dir")
-    ap.add_argument("--draft", default="smollm2-draft", help="draft: name, .gguf, HF dir or orbax dir")
+    ap.add_argument("--draft", default="smollm2-draft",
+                    help="draft: name, .gguf, HF dir or orbax dir")
     ap.add_argument("--mode", default="ssd", choices=["ar", "sd", "ssd"])
     ap.add_argument("--k", type=int, default=None, help="lookahead (default: SpecConfig's)")
     ap.add_argument("--budget", type=int, default=0, help="SSD branches per row M (0: 2(K+1))")

@@ -43,9 +43,13 @@ class Batch:
 
 
 def _seed(p: SamplingParams) -> int:
-    if p.seed is None:  # LLM gives every request a seed; direct callers of make_batch must too
-        raise ValueError("SamplingParams.seed is None: give each request a seed before batching")
-    return p.seed
+    if p.seed is not None:
+        return p.seed
+    if p.temperature == 0:  # greedy rows draw no random numbers
+        return 0
+    # LLM gives every request a seed; direct callers must too, or sampled rows would share one.
+    raise ValueError("SamplingParams.seed is None for a sampled request: give each sampled "
+                     "request its own seed before batching (LLM.generate does this)")
 
 
 def make_batch(ids: list[list[int]], params: list[SamplingParams], stops: list[list[int]],

@@ -115,7 +115,8 @@ class SamplingParams:
             _require_ints(self, "seed")
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
             raise ValueError(
-                f"temperature={self.temperature} is invalid: use 0 for greedy or a finite value > 0")
+                f"temperature={self.temperature} is invalid: use 0 for greedy or a finite "
+                "value > 0")
         if isinstance(self.stop_token_ids, numbers.Integral) or not all(
                 isinstance(t, numbers.Integral) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r} is invalid: give a tuple of "

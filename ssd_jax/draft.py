@@ -176,8 +176,9 @@ def select(graphdef, params, vocab, state: SpecState, spec_cache: SpecCache,
            greedy_only: bool, k: int, fmax: int):
     """Next speculation per row: the cached branch for outcome (n, t) on a hit, else the
     backup. `state` is already advanced (r = t at the new length). Returns tokens [B, K],
-    q [B, K, V] | None (over the target vocabulary; the cache keeps the draft's), point_mass [B] (fast-backup guesses), hit [B], rank [B] (rank of t
-    among the glue candidates at n, Fmax when absent: feeds the fan-out's power-law fit)."""
+    q [B, K, V] | None (over the target vocabulary; the cache keeps the draft's), point_mass [B]
+    (fast-backup guesses), hit [B], rank [B] (rank of t among the glue candidates at n, Fmax
+    when absent: feeds the fan-out's power-law fit)."""
     match = ((spec_cache.branch_j == n[:, None]) & (spec_cache.fork_tok == t[:, None])
              & (spec_cache.branch_j >= 0))
     hit = jnp.any(match, axis=1)
