@@ -1,0 +1,24 @@
+"""`python -m ssd_jax`, the main job's CLI: it answers, and bad input is one line, exit code 2."""
+import pytest
+
+from ssd_jax.__main__ import main
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["hi", "--k", "0"], "K=0 is invalid"),
+    (["hi", "--c", "1.5"], "Saguaro's C must lie in (0, 1]"),
+    (["", "--mode", "ar"], "prompt is empty"),
+    (["hi", "--mode", "ar", "--max-new-tokens", "5000"], "raise --max-seq-len"),
+    (["hi", "--model", "/no/such/model", "--mode", "ar"], "not found"),
+])
+def test_bad_input_is_one_line(argv, needle, capsys):
+    assert main(argv) == 2
+    err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
+    assert len(err) == 1 and needle in err[0]
+
+
+def test_answers_a_prompt(capsys):
+    assert main(["What is the capital of France?", "--mode", "ar", "--max-new-tokens", "8"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("> What is the capital of France?") and "Paris" in out
+    assert "[ar] 8 tokens" in err
