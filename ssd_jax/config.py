@@ -11,6 +11,7 @@ import numbers
 from dataclasses import dataclass
 
 SUPPORTED_ARCHS = ("llama", "qwen3")
+DTYPES = ("float32", "bfloat16")
 
 
 def _require_ints(obj, *names: str) -> None:
@@ -19,7 +20,12 @@ def _require_ints(obj, *names: str) -> None:
         value = getattr(obj, name)
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise ValueError(f"{name}={value!r} is invalid: it must be an integer")
-DTYPES = ("float32", "bfloat16")
+
+
+def _check_seed(seed: int | None) -> None:
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
+                             or not 0 <= seed < 2**32):
+        raise ValueError(f"seed={seed!r} is invalid: use an integer in [0, 2**32) or None")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,8 +117,7 @@ class SamplingParams:
 
     def __post_init__(self):
         _require_ints(self, "top_k", "max_new_tokens")
-        if self.seed is not None:
-            _require_ints(self, "seed")
+        _check_seed(self.seed)
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
             raise ValueError(
                 f"temperature={self.temperature} is invalid: use 0 for greedy or a finite "
@@ -129,8 +134,6 @@ class SamplingParams:
         if self.max_new_tokens < 1:
             raise ValueError(
                 f"max_new_tokens={self.max_new_tokens} is invalid: ask for at least 1 token")
-        if self.seed is not None and not 0 <= self.seed < 2**32:
-            raise ValueError(f"seed={self.seed} is invalid: use an integer in [0, 2**32) or None")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,10 +184,9 @@ class EngineConfig:
     seed: int | None = 0
 
     def __post_init__(self):
-        _require_ints(self, "max_batch", "max_seq_len", "prefill_bucket", "sync_every",
-                      "worker_devices")
-        for name in ("max_batch", "max_seq_len", "prefill_bucket", "sync_every",
-                     "worker_devices"):
+        sizes = ("max_batch", "max_seq_len", "prefill_bucket", "sync_every", "worker_devices")
+        _require_ints(self, *sizes)
+        for name in sizes:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: it must be >= 1")
         if self.mesh is not None and (len(self.mesh) != 2 or min(self.mesh) < 1):
@@ -196,5 +198,4 @@ class EngineConfig:
             raise ValueError(
                 f"mesh={self.mesh} with driver='processes': the worker processes lay out their "
                 "own devices (worker_devices per side); drop mesh, or use driver='single'")
-        if self.seed is not None:
-            _require_ints(self, "seed")
+        _check_seed(self.seed)

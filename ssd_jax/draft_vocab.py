@@ -3,7 +3,7 @@
 The draft's LM head is the largest matmul of a small model, so the draft predicts only the
 V_draft - 1 most frequent target tokens plus one reserved OOV slot (the last id) that absorbs
 every other token during training. Handed to verification, the draft's distribution must be a
-proper distribution over the *target* vocabulary: `target_logits` scatters the draft logits to
+proper distribution over the *target* vocabulary: `target_logits` gathers the draft logits to
 their target ids and puts -inf everywhere else, the OOV slot included, so softmax gives zero
 probability outside the draft vocabulary and renormalises over the tokens the draft can name.
 Losslessness is untouched: verification only needs q(x) > 0 wherever the draft proposes x.
@@ -59,8 +59,15 @@ class VocabMap:
     def draft_ids(self, target_ids: Int[Array, "*S"]) -> Int[Array, "*S"]:
         return jnp.asarray(self.to_draft)[target_ids]
 
+    def target_ids(self, draft_ids: Int[Array, "*S"]) -> Int[Array, "*S"]:
+        return jnp.asarray(self.to_target)[draft_ids]
+
     def target_logits(self, draft_logits: Float[Array, "*S Vd"]) -> Float[Array, "*S Vt"]:
-        return target_logits(draft_logits, jnp.asarray(self.to_draft), self.oov)
+        return to_target_vocab(draft_logits, jnp.asarray(self.to_draft), self.oov, -jnp.inf)
+
+    def target_probs(self, draft_probs: Float[Array, "*S Vd"]) -> Float[Array, "*S Vt"]:
+        """The same distribution over the target vocabulary (zero outside the draft's)."""
+        return to_target_vocab(draft_probs, jnp.asarray(self.to_draft), self.oov, 0.0)
 
     # JSON-friendly form, stored in the orbax checkpoint's `extra` (to_draft is derived).
     def to_dict(self) -> dict:
@@ -80,12 +87,12 @@ class VocabMap:
                 and np.array_equal(self.to_target, other.to_target))
 
 
-def target_logits(draft_logits: Float[Array, "*S Vd"], to_draft: Int[Array, " Vt"],
-                  oov: int) -> Float[Array, "*S Vt"]:
-    """A gather (not a scatter: scatters are slow on XLA:CPU) of each target token's draft logit,
-    -inf for tokens outside the draft vocabulary."""
-    gathered = jnp.take(draft_logits, to_draft, axis=-1)
-    return jnp.where(to_draft != oov, gathered, -jnp.inf)
+def to_target_vocab(values: Float[Array, "*S Vd"], to_draft: Int[Array, " Vt"], oov: int,
+                    fill: float) -> Float[Array, "*S Vt"]:
+    """A gather (not a scatter: scatters are slow on XLA:CPU) of each target token's draft
+    value, `fill` (-inf for logits, 0 for probabilities) outside the draft vocabulary."""
+    gathered = jnp.take(values, to_draft, axis=-1)
+    return jnp.where(to_draft != oov, gathered, fill)
 
 
 class VocabTable(nnx.Variable):
@@ -118,7 +125,7 @@ class DraftModel(nnx.Module):
                  ) -> tuple[Float[Array, "B N Vt"], KVCache]:
         to_draft = self.to_draft[...]
         logits, kv = self.model(to_draft[tokens], positions, cache, prefix_len, mask, logit_index)
-        return target_logits(logits, to_draft, self.oov), kv
+        return to_target_vocab(logits, to_draft, self.oov, -jnp.inf), kv
 
     @classmethod
     def load(cls, name_or_path: str = "smollm2-draft", **kw) -> tuple["DraftModel", object]:

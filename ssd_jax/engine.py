@@ -161,8 +161,6 @@ class LLM:
                              "token ids, or chat messages [{'role': 'user', 'content': '...'}]")
         if kind == "ids":
             ids = [int(t) for t in prompt]
-            if not ids:
-                raise ValueError("prompt is empty: give at least one token")
         else:
             if kind == "text" and not prompt:
                 raise ValueError("prompt is empty: give at least one character or token")

@@ -69,16 +69,13 @@ def draft_space(vocab, logits: Float[Array, "*S Vd"]) -> Float[Array, "*S Vd"]:
 
 
 def target_ids(vocab, ids: Int[Array, "*S"]) -> Int[Array, "*S"]:
-    return ids if vocab is None else jnp.asarray(vocab.to_target)[ids]
+    return ids if vocab is None else vocab.target_ids(ids)
 
 
 def target_probs(vocab, q: Float[Array, "*S Vd"] | None) -> Float[Array, "*S Vt"] | None:
     """q over the draft vocabulary -> the same distribution over the target's, which is what
-    verification needs (a gather, not a scatter: scatters are slow on XLA:CPU)."""
-    if vocab is None or q is None:
-        return q
-    to_draft = jnp.asarray(vocab.to_draft)
-    return jnp.where(to_draft != vocab.oov, jnp.take(q, to_draft, axis=-1), 0.0)
+    verification needs."""
+    return q if vocab is None or q is None else vocab.target_probs(q)
 
 
 def propose(logits: Float[Array, "B V"], sampling: RowSampling, positions: Int[Array, " B"],
