@@ -10,7 +10,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
-SUPPORTED_ARCHS = ("llama", "qwen3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -41,7 +41,7 @@ class RopeScaling:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Shape and numerics of a decoder-only Llama-3.x / Qwen3 model."""
+    """Shape and numerics of a decoder-only Llama-3.x / Qwen2 / Qwen3 model."""
 
     arch: str = "llama"
     vocab_size: int
@@ -79,6 +79,11 @@ class ModelConfig:
     def qk_norm(self) -> bool:
         """Qwen3 normalises each head's q and k (RMSNorm over head_dim) before RoPE."""
         return self.arch == "qwen3"
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Qwen2 (and Qwen2.5) add a bias to the q, k and v projections; nothing else has one."""
+        return self.arch == "qwen2"
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

@@ -1,7 +1,8 @@
 """Device split into a target mesh and a disjoint draft mesh, and tensor-parallel sharding rules.
 
 Rules are written once, by logical axis name, and mapped to the mesh axis "tp":
-  heads / kv_heads  -> q,k,v projections split on their output (head) columns, o_proj on rows;
+  heads / kv_heads  -> q,k,v projections (and Qwen2's biases) split on their output (head)
+                       columns, o_proj on rows;
   mlp               -> gate/up on columns, down on rows (Megatron-style: one all-reduce per block);
   vocab             -> embedding rows and LM-head columns;
   everything else   -> replicated.
@@ -29,6 +30,9 @@ LOGICAL_AXES = {
     ("q_proj", "kernel"): (None, "heads"),
     ("k_proj", "kernel"): (None, "kv_heads"),
     ("v_proj", "kernel"): (None, "kv_heads"),
+    ("q_proj", "bias"): ("heads",),  # Qwen2's q/k/v biases follow their projections' columns
+    ("k_proj", "bias"): ("kv_heads",),
+    ("v_proj", "bias"): ("kv_heads",),
     ("o_proj", "kernel"): ("heads", None),
     ("gate_proj", "kernel"): (None, "mlp"),
     ("up_proj", "kernel"): (None, "mlp"),

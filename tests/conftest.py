@@ -22,6 +22,17 @@ TINY_QWEN3 = dict(
     rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, bos_token_id=1,
     eos_token_id=2)
 
+# Qwen2: q/k/v biases, GQA (4 query heads over 2 KV heads); tied here, untied in a second fixture.
+TINY_QWEN2 = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, bos_token_id=1,
+    eos_token_id=2)
+
+_HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM", TINY_LLAMA),
+               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", TINY_QWEN2),
+               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", TINY_QWEN3)}
+
 
 def make_hf_model(path, arch: str, seed: int = 0, **overrides):
     """Save a random tiny HF model (safetensors) to `path`; returns the torch model."""
@@ -29,18 +40,18 @@ def make_hf_model(path, arch: str, seed: int = 0, **overrides):
     import transformers
 
     torch.manual_seed(seed)
-    if arch == "llama":
-        cfg = transformers.LlamaConfig(**{**TINY_LLAMA, **overrides})
-        model = transformers.LlamaForCausalLM(cfg)
-    else:
-        cfg = transformers.Qwen3Config(**{**TINY_QWEN3, **overrides})
-        model = transformers.Qwen3ForCausalLM(cfg)
+    config_cls, model_cls, base = _HF_CLASSES[arch]
+    cfg = getattr(transformers, config_cls)(**{**base, **overrides})
+    model = getattr(transformers, model_cls)(cfg)
     # Random init gives near-uniform logits; widen the weights so argmax decisions are crisp
-    # and parity at 1e-4 is a meaningful check.
+    # and parity at 1e-4 is a meaningful check. Biases (Qwen2's q/k/v) init to zero: give
+    # them values too, or a loader that drops them would still pass.
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.08)
+            elif name.endswith(".bias"):
+                p.normal_(0, 0.5)
     model.eval()
     model.save_pretrained(path, safe_serialization=True)
     return model
@@ -68,6 +79,18 @@ def tiny_llama(tmp_path_factory):
 def tiny_qwen3(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_qwen3")
     return path, make_hf_model(path, "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    return path, make_hf_model(path, "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_untied(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen2_untied")
+    return path, make_hf_model(path, "qwen2", tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")

@@ -60,7 +60,7 @@ def test_sharded_safetensors_index(tiny_llama, tmp_path):
 
 def test_unknown_model_type_names_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox"}))
-    with pytest.raises(ValueError, match="'gpt_neox' is not supported.*llama, qwen3"):
+    with pytest.raises(ValueError, match="'gpt_neox' is not supported.*llama, qwen2, qwen3"):
         load(tmp_path)
 
 

@@ -1,4 +1,5 @@
-"""Our NNX models against transformers on tiny random Llama-3 (rope scaling) and Qwen3 models."""
+"""Our NNX models against transformers on tiny random Llama-3 (rope scaling), Qwen2 (q/k/v biases,
+GQA, tied and untied) and Qwen3 models."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ def _torch_logits(model, ids):
         return model(torch.tensor(ids)).logits.float().numpy()
 
 
-@pytest.fixture(params=["tiny_llama", "tiny_qwen3"])
+@pytest.fixture(params=["tiny_llama", "tiny_qwen2", "tiny_qwen2_untied", "tiny_qwen3"])
 def pair(request):
     path, hf_model = request.getfixturevalue(request.param)
     model, _, _ = load(path)
@@ -95,3 +96,12 @@ def test_cache_zeros_shape(tiny_qwen3):
     model, _, _ = load(tiny_qwen3[0])
     cache = KVCache.zeros(model.config, 3, 40)
     assert len(cache.k) == 2 and cache.k[0].shape == (3, 1, 40, 32)  # [B, Hkv, S, D]
+
+
+def test_qwen2_biases_are_loaded(tiny_qwen2):
+    """The fixture's biases are non-zero and land in the q/k/v projections."""
+    model, _, _ = load(tiny_qwen2[0])
+    hf_bias = tiny_qwen2[1].model.layers[1].self_attn.k_proj.bias.detach().numpy()
+    assert np.abs(hf_bias).max() > 0.1
+    np.testing.assert_array_equal(np.asarray(model.layers[1].self_attn.k_proj.bias[...]), hf_bias)
+    assert model.layers[0].mlp.up_proj.bias is None

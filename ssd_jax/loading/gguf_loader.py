@@ -6,7 +6,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ssd_jax.config import ModelConfig
+from ssd_jax.config import SUPPORTED_ARCHS, ModelConfig
+
+CONTROL = 3  # llama.cpp's token_type for control tokens such as <|im_start|>
+USER_DEFINED = 4  # added tokens that are matched whole but are not special (<tool_call>)
+END_OF_TURN = frozenset({"<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>",
+                         "<|end_of_text|>", "<end_of_turn>"})
 
 _NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -24,10 +29,10 @@ def hf_name(gguf_name: str) -> str:
         return "model.norm.weight"
     if gguf_name == "output.weight":
         return "lm_head.weight"
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if not m or m.group(2) not in _NAMES:
-        raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a Llama/Qwen3 decoder")
-    return f"model.layers.{m.group(1)}.{_NAMES[m.group(2)]}.weight"
+        raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a Llama/Qwen2/Qwen3 decoder")
+    return f"model.layers.{m.group(1)}.{_NAMES[m.group(2)]}.{m.group(3)}"
 
 
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -50,17 +55,33 @@ def read_metadata(reader) -> dict:
     return meta
 
 
-def config_from_gguf(meta: dict, tensor_names: set[str], *, dtype: str = "float32") -> ModelConfig:
+def stop_token_ids(meta: dict) -> tuple[int, ...]:
+    """Every token that ends a turn: the file's eos/eot/eom ids plus the control tokens spelled
+    as an end of turn or text (Qwen's chat template ends turns with <|im_end|>, while the
+    model may also emit <|endoftext|>, the file's padding and bos token)."""
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    types = meta.get("tokenizer.ggml.token_type") or []
+    ids = {int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                  "tokenizer.ggml.eom_token_id") if meta.get(k) is not None}
+    ids |= {i for i, (t, kind) in enumerate(zip(tokens, types))
+            if kind == CONTROL and t in END_OF_TURN}
+    return tuple(sorted(ids))
+
+
+def config_from_gguf(meta: dict, tensor_names: set[str], *, dtype: str = "float32",
+                     embed_rows: int | None = None) -> ModelConfig:
     arch = meta.get("general.architecture")
-    if arch not in ("llama", "qwen3"):
-        raise ValueError(f"GGUF architecture {arch!r} is not supported: supported are llama, qwen3")
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported: supported are "
+                         f"{', '.join(SUPPORTED_ARCHS)}")
     if "rope_freqs.weight" in tensor_names:
         raise ValueError("this GGUF stores Llama-3.1 rope frequency factors (rope_freqs), which "
                          "are not supported yet: load the HF safetensors directory instead")
     g = lambda k, d=None: meta.get(f"{arch}.{k}", d)  # noqa: E731
     hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    vocab = g("vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    # The embedding's rows are the vocabulary the model computes over (Qwen pads its tokenizer's
+    # 151,665 tokens to 151,936 rows); the metadata's count is only a fallback.
+    vocab = embed_rows or g("vocab_size") or len(meta["tokenizer.ggml.tokens"])
     return ModelConfig(
         arch=arch, vocab_size=int(vocab), hidden_size=hidden,
         intermediate_size=int(g("feed_forward_length")), num_layers=int(g("block_count")),
@@ -71,7 +92,7 @@ def config_from_gguf(meta: dict, tensor_names: set[str], *, dtype: str = "float3
         tie_embeddings="output.weight" not in tensor_names,
         max_position_embeddings=int(g("context_length", 8192)), dtype=dtype,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),))
+        eos_token_ids=stop_token_ids(meta))
 
 
 def open_gguf(path: Path):

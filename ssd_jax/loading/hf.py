@@ -8,7 +8,9 @@ from safetensors.numpy import load_file
 
 from ssd_jax.config import SUPPORTED_ARCHS, ModelConfig, RopeScaling
 
-_MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3"}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads")
 
 
 def config_from_hf(cfg: dict, *, dtype: str = "float32") -> ModelConfig:
@@ -16,10 +18,17 @@ def config_from_hf(cfg: dict, *, dtype: str = "float32") -> ModelConfig:
     model_type = cfg.get("model_type")
     if model_type not in _MODEL_TYPES:
         raise ValueError(f"model_type {model_type!r} is not supported: supported are "
-                         f"{', '.join(SUPPORTED_ARCHS)} (HF model_type 'llama' or 'qwen3')")
-    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+                         f"{', '.join(SUPPORTED_ARCHS)} (HF model_type 'llama', 'qwen2' or "
+                         "'qwen3')")
+    missing = [k for k in _REQUIRED if k not in cfg]
+    if missing:
+        raise ValueError(f"config.json lacks {', '.join(missing)}: it is not a complete "
+                         f"{model_type} config; copy the model's config.json unchanged")
+    # Qwen2's q/k/v biases are part of its architecture (its config has no flag for them).
+    if cfg.get("mlp_bias") or (cfg.get("attention_bias") and model_type != "qwen2"):
         raise ValueError("attention_bias / mlp_bias checkpoints are not supported: Llama-3.x and "
-                         "Qwen3 have no biases; convert a bias-free model")
+                         "Qwen3 have no biases (Qwen2's q/k/v biases are); convert a bias-free "
+                         "model")
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
     scaling = None
     if rope and rope.get("rope_type", rope.get("type")) == "llama3":
@@ -79,4 +88,9 @@ def safetensors_files(directory: Path) -> list[Path]:
 
 def iter_hf_weights(directory: Path):
     for f in safetensors_files(directory):
-        yield from load_file(str(f)).items()
+        try:
+            tensors = load_file(str(f))
+        except Exception as e:  # safetensors raises its own error type for a cut file
+            raise ValueError(f"{f} is not a readable safetensors file ({e}): it is probably "
+                             "truncated or still downloading; copy it again") from None
+        yield from tensors.items()

@@ -7,9 +7,16 @@ from pathlib import Path
 
 import jinja2
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
-_CONTROL = 3  # llama.cpp token_type for control tokens such as <|im_start|>
+from ssd_jax.loading.gguf_loader import CONTROL, USER_DEFINED, stop_token_ids
+
+# llama.cpp's pre-tokenizer names -> the split regex their tokenizers apply before byte-level
+# BPE (Qwen2's: one digit per piece, letters with one leading non-letter, punctuation runs).
+_SPLIT = {
+    "qwen2": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+}
 
 
 @dataclass
@@ -79,16 +86,27 @@ def from_gguf_metadata(meta: dict) -> Tokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    pre = meta.get("tokenizer.ggml.pre")
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if meta.get("tokenizer.ggml.pre") == "smollm":
+    if pre == "smollm":
         # SmolLM's tokenizer splits every digit on its own before the GPT-2 regex.
         backend.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif pre in _SPLIT:
+        # No NFC normaliser: Qwen's own tokenizer.json has one, but llama.cpp and transformers'
+        # GGUF tokenizer do not, and a GGUF's ids should be the ones its other readers give.
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLIT[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     else:
         backend.pre_tokenizer = byte_level
     backend.decoder = decoders.ByteLevel()
     types = meta.get("tokenizer.ggml.token_type") or []
-    backend.add_special_tokens([tokens[i] for i, t in enumerate(types) if t == _CONTROL])
+    backend.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True)
+                                for i, t in enumerate(types) if t == CONTROL])
+    # User-defined tokens (<tool_call>) are matched whole, like llama.cpp does, but not special.
+    backend.add_tokens([AddedToken(tokens[i], normalized=False, special=False)
+                        for i, t in enumerate(types) if t == USER_DEFINED])
     eos = meta.get("tokenizer.ggml.eos_token_id")
     bos = meta.get("tokenizer.ggml.bos_token_id")
     special = {}
@@ -97,7 +115,7 @@ def from_gguf_metadata(meta: dict) -> Tokenizer:
     if bos is not None:
         special["bos_token"] = tokens[bos]
     return Tokenizer(backend, chat_template=meta.get("tokenizer.chat_template"),
-                     eos_token_ids=() if eos is None else (int(eos),),
+                     eos_token_ids=stop_token_ids(meta),
                      bos_token_id=None if bos is None else int(bos),
                      add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
                      special=special)

@@ -31,7 +31,7 @@ def _param_for(model: Transformer, hf_name: str) -> tuple[nnx.Param, bool]:
     if isinstance(node, nnx.Embed):
         return node.embedding, False
     if isinstance(node, nnx.Linear):
-        return node.kernel, True
+        return (node.bias, False) if leaf == "bias" and node.bias is not None else (node.kernel, True)
     return getattr(node, leaf), False
 
 
@@ -76,5 +76,7 @@ def named_weights(model: Transformer):
             yield "model.embed_tokens.weight", value
         elif kind == "kernel":
             yield ("lm_head.weight" if stem == "lm_head" else f"model.{stem}.weight"), value.T
+        elif kind == "bias":
+            yield f"model.{stem}.bias", value
         else:
             yield f"model.{stem}.weight", value

@@ -1,4 +1,4 @@
-"""Decoder-only Llama-3.x / Qwen3 transformer in Flax NNX.
+"""Decoder-only Llama-3.x / Qwen2 / Qwen3 transformer in Flax NNX.
 
 Reads top to bottom: cache pytree, norm, attention, MLP, block, model. Every forward is one call
 of the attention primitive (committed prefix + new tokens under a mask); the forward returns the
@@ -73,9 +73,11 @@ class RMSNorm(nnx.Module):
         return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def _linear(din: int, dout: int, dtype, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(din, dout, use_bias=False, dtype=dtype, param_dtype=dtype,
-                      kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+def _linear(din: int, dout: int, dtype, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
+    # A random init gives biases small random values too (zeros would leave them untested).
+    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype,
+                      kernel_init=nnx.initializers.normal(0.02),
+                      bias_init=nnx.initializers.normal(0.02), rngs=rngs)
 
 
 AttentionFn = Callable[..., Array]
@@ -85,9 +87,9 @@ class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c, dt = config, jnp.dtype(config.dtype)
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.q_proj = _linear(c.hidden_size, c.num_heads * c.head_dim, dt, rngs)
-        self.k_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, dt, rngs)
-        self.v_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, dt, rngs)
+        self.q_proj = _linear(c.hidden_size, c.num_heads * c.head_dim, dt, rngs, c.qkv_bias)
+        self.k_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, dt, rngs, c.qkv_bias)
+        self.v_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, dt, rngs, c.qkv_bias)
         self.o_proj = _linear(c.num_heads * c.head_dim, c.hidden_size, dt, rngs)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt)
