@@ -43,14 +43,22 @@ def _list(kind, flag):
     return parse
 
 
+# --pair name -> (target, draft)
+PAIRS = {"smollm2": ("smollm2", "smollm2-draft"),
+         "qwen2.5-coder": ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")}
+
+
 def parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="ssd-bench", description=__doc__.split("\n\n")[0],
                  epilog="Subcommands: `ssd-bench report JSON [--readme FILE]`, `ssd-bench plan`.",
                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = ap.add_argument
     a("--mode", default="all", choices=[*MODES, "all"], help="decode mode(s) to time")
-    a("--target", default="smollm2", help="name, .gguf file, HF directory or orbax directory")
-    a("--draft", default="smollm2-draft", help="draft model (same kinds as --target)")
+    a("--pair", default="smollm2", choices=sorted(PAIRS),
+      help="model pair: smollm2 (SmolLM2-135M + our 5M distilled draft, fast) or qwen2.5-coder "
+      "(Qwen2.5-Coder-1.5B-Instruct + 0.5B-Instruct, from PyPI); --target/--draft override")
+    a("--target", default=None, help="name, .gguf file, HF directory or orbax directory")
+    a("--draft", default=None, help="draft model (same kinds as --target)")
     a("--k", type=int, default=4, help="lookahead K: draft tokens per round")
     a("--fanout", default="geometric", choices=["uniform", "geometric", "empirical"])
     a("--budget", type=int, default=0, help="SSD branches per row M (0: 2(K+1))")
@@ -115,6 +123,8 @@ def machine() -> dict:
 
 
 def run(args, argv) -> dict:
+    args.target = args.target or PAIRS[args.pair][0]
+    args.draft = args.draft or PAIRS[args.pair][1]
     suites, points = validate(args)
     modes = list(MODES) if args.mode == "all" else [args.mode]
     needs_draft = any(m != "ar" for m in modes)
@@ -194,7 +204,7 @@ def run(args, argv) -> dict:
     if args.peers:
         notes.append(f"transformers peers ran with torch {threads} thread(s), batch 1.")
     results = dict(
-        schema="ssd-bench/1", command="ssd-bench " + shlex.join(argv),
+        schema="ssd-bench/1", command="ssd-bench " + shlex.join(_portable(argv)),
         machine=machine(),
         config=dict(target=args.target, draft=args.draft if needs_draft else None,
                     suites=suites, modes=modes, num_prompts=args.num_prompts,
@@ -280,3 +290,16 @@ def main(argv=None) -> int:
         return 2
     report(results, args)
     return 0
+
+
+def _portable(argv: list[str]) -> list[str]:
+    """The command as recorded in results: absolute paths inside the working directory become
+    relative, and others become their base name, so no machine's folders end up in the repo."""
+    import os
+    out = []
+    for a in argv:
+        if os.path.isabs(a):
+            rel = os.path.relpath(a)
+            a = rel if not rel.startswith("..") else os.path.basename(a.rstrip("/")) or a
+        out.append(a)
+    return out

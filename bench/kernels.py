@@ -126,8 +126,8 @@ def markdown(rows: list[dict], header: str) -> str:
     return "\n".join(lines + [format_row(r) for r in rows]) + "\n"
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
+def describe(args: argparse.Namespace) -> tuple[str, dict]:
+    """The table's header line and the run's metadata (device, jax, arguments)."""
     import jax
 
     device = jax.devices()[0]
@@ -135,10 +135,16 @@ def main(argv=None) -> None:
               f"one layer per call; {device.device_kind} ({jax.default_backend()}), "
               f"jax {jax.__version__}, backend={args.backend}"
               + (", INTERPRETED" if args.interpret else ""))
-    print(markdown([], header), end="", flush=True)
-    rows = []
     meta = dict(header=header, device=device.device_kind, platform=jax.default_backend(),
                 jax=jax.__version__, args={k: str(v) for k, v in vars(args).items()})
+    return header, meta
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    header, meta = describe(args)
+    print(markdown([], header), end="", flush=True)
+    rows = []
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
     for row in run(args):

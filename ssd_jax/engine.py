@@ -18,7 +18,7 @@ import numpy as np
 from ssd_jax.ar import ar_loop
 from ssd_jax.batch import make_batch, round_up
 from ssd_jax.config import EngineConfig, SamplingParams, SpecConfig
-from ssd_jax.loading import load
+from ssd_jax.loading import check_same_vocabulary, describe, load
 from ssd_jax.loading.tokenizer import Tokenizer
 from ssd_jax.metrics import RunMetrics
 from ssd_jax.models.transformer import Transformer
@@ -78,6 +78,21 @@ def vocab_from_extra(extra: dict):
     return VocabMap.from_dict(extra["vocab_map"])
 
 
+def pair_vocab(target: tuple, draft: tuple):
+    """The draft->target vocab map of a pair, from their `describe` triples: the one stored with
+    a truncated-vocabulary draft, an identity that drops vocabulary padding, or None (same ids).
+    Raises when the two tokenizers differ."""
+    (t_config, t_tok, _), (d_config, d_tok, extra) = target, draft
+    vocab = vocab_from_extra(extra)
+    if vocab is None:
+        return check_same_vocabulary(t_config, t_tok, d_config, d_tok)
+    if vocab.target_size != t_config.vocab_size:
+        raise ValueError(
+            f"draft vocabulary map targets {vocab.target_size} ids, the target has "
+            f"{t_config.vocab_size}: this draft was made for another target")
+    return vocab
+
+
 def _check_addressable(split, mesh) -> None:
     """The decode loops drive their meshes from this process: refuse a split that spans
     devices of other processes (a multi-host job) with the ways that do work."""
@@ -113,43 +128,77 @@ class LLM:
         # Names/paths let worker processes load the same models (the "processes" driver).
         self.paths = (None if isinstance(model, Transformer) else str(model),
                       None if draft is None or isinstance(draft, Transformer) else str(draft))
-        self.dtype, self.pool = dtype, None
+        self.dtype, self.cache_dir, self.progress, self.pool = dtype, cache_dir, progress, None
+        self.engine, self.spec = engine, spec
+        # Weights are loaded on first use in this process: with the worker-process driver only
+        # the workers hold them, so the caller never keeps a second copy (a 1.5B target is
+        # 7 GB in fp32). Config and tokenizer are read now, from metadata alone.
+        self._model = self._draft_model = None
+        self._runners: dict[str, ModelRunner] = {}
         if isinstance(model, Transformer):
-            self.model, self.tokenizer = model, tokenizer
+            self._model, self.tokenizer, self.config = model, tokenizer, model.config
+            target = (model.config, tokenizer, {})
         else:
-            self.model, self.tokenizer, extra = load(model, dtype=dtype, cache_dir=cache_dir,
-                                                     progress=progress)
+            target = describe(model, dtype=dtype, cache_dir=cache_dir)
+            self.config, self.tokenizer, extra = target
             if vocab_from_extra(extra) is not None:
                 raise ValueError(
                     f"{model!r} is a draft with a truncated vocabulary (its ids map to a "
                     "target's): it cannot be the target; use it as a draft, e.g. "
                     f"LLM('smollm2', draft={str(model)!r})")
-        self.engine, self.spec = engine, spec
         # Seeds for requests that bring none (drawn in the order requests arrive).
         self._seeds = np.random.default_rng(engine.seed)
         self.split = split_devices(*engine.mesh) if engine.mesh else None
         _check_addressable(self.split, engine.mesh)
-        self.runner = ModelRunner(self.model, self.split and self.split.target)
-        self.config = self.model.config
-        self.draft_runner, self.vocab = None, None
+        self.has_draft, self.vocab = draft is not None, None
         if draft is not None:
             if isinstance(draft, Transformer):
-                draft_model, extra = draft, {}
+                self._draft_model = draft
+                described = (draft.config, None, {})
             else:
-                draft_model, _, extra = load(draft, dtype=dtype, cache_dir=cache_dir)
-            self.vocab = vocab_from_extra(extra)
-            draft_vocab = (draft_model.config.vocab_size if self.vocab is None
-                           else self.vocab.target_size)
-            if draft_vocab != self.config.vocab_size:
-                raise ValueError(
-                    f"draft vocabulary ({draft_vocab}) differs from the target's "
-                    f"({self.config.vocab_size}): use a draft with the target's tokenizer (or a "
-                    "draft checkpoint with a vocab map to the target's ids)")
-            # SSD's draft lives on the draft mesh; SD (and AR) use the target mesh only.
-            self.draft_runner = ModelRunner(draft_model, self.split and self.split.draft)
-            self.sd_draft_runner = (self.draft_runner if self.split is None
-                                    else ModelRunner(draft_model, self.split.target))
+                described = describe(draft, dtype=dtype, cache_dir=cache_dir)
+            self.vocab = pair_vocab(target, described)
         self.last_metrics: RunMetrics | None = None  # of the latest generate/stream call
+
+    # ---------------------------------------------------------------- models, loaded on use
+    @property
+    def model(self) -> Transformer:
+        if self._model is None:
+            self._model = load(self.paths[0], dtype=self.dtype, cache_dir=self.cache_dir,
+                               progress=self.progress)[0]
+        return self._model
+
+    def _draft(self) -> Transformer:
+        if self._draft_model is None:
+            self._draft_model = load(self.paths[1], dtype=self.dtype, cache_dir=self.cache_dir,
+                                     progress=self.progress)[0]
+        return self._draft_model
+
+    def _runner(self, role: str, make) -> ModelRunner:
+        if role not in self._runners:
+            self._runners[role] = make()
+        return self._runners[role]
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The target's programs on the target mesh."""
+        return self._runner("target", lambda: ModelRunner(self.model,
+                                                          self.split and self.split.target))
+
+    @property
+    def draft_runner(self) -> ModelRunner | None:
+        """SSD's draft on the draft mesh (None without a draft)."""
+        if not self.has_draft:
+            return None
+        return self._runner("draft", lambda: ModelRunner(self._draft(),
+                                                         self.split and self.split.draft))
+
+    @property
+    def sd_draft_runner(self) -> ModelRunner:
+        """SD's draft shares the target mesh (SD and AR use the target's devices only)."""
+        if self.split is None:
+            return self.draft_runner
+        return self._runner("sd_draft", lambda: ModelRunner(self._draft(), self.split.target))
 
     # ---------------------------------------------------------------- prompts and validation
     def _encode(self, prompt: Prompt, chat: bool) -> list[int]:
@@ -207,10 +256,10 @@ class LLM:
 
     # ---------------------------------------------------------------- decode loops
     def _resolve_mode(self, mode: str | None) -> str:
-        mode = mode or ("sd" if self.draft_runner is not None else "ar")
+        mode = mode or ("sd" if self.has_draft else "ar")
         if mode not in ("ar", "sd", "ssd"):
             raise ValueError(f"mode={mode!r} is unknown: use 'ar', 'sd' or 'ssd'")
-        if mode != "ar" and self.draft_runner is None:
+        if mode != "ar" and not self.has_draft:
             raise ValueError(f"mode={mode!r} needs a draft model: LLM(target, draft=...)")
         return mode
 
@@ -384,6 +433,7 @@ class LLM:
             if len(stable) > len(shown):
                 yield stable[len(shown):]
                 shown = stable
+        self.last_token_ids = list(out[0])  # of this stream, for callers that compare runs
         final = self._text(out[0])
         if len(final) > len(shown):
             yield final[len(shown):]

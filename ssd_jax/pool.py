@@ -9,15 +9,19 @@ paper adds a GPU for it.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import secrets
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from multiprocessing.connection import Listener
 
 from ssd_jax.metrics import metrics_from_dict
+
+log = logging.getLogger(__name__)
 
 
 def _free_port() -> int:
@@ -45,6 +49,7 @@ class WorkerPool:
         self.procs: dict[str, subprocess.Popen] = {}
         self.conns: dict = {}
         self.layout: dict[str, dict] = {}  # role -> its devices and sharding, as reported
+        self.logs: dict = {}  # role -> the file its stdout/stderr go to
 
     def start(self) -> None:
         if self.procs:
@@ -58,8 +63,8 @@ class WorkerPool:
         if self.devices_per_worker > 1:
             env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count="
                                 f"{self.devices_per_worker}")
-        print(f"[ssd_jax] starting target and draft worker processes (cores {self.cores}) ...",
-              file=sys.stderr, flush=True)
+        log.info("starting the target and draft worker processes (cores %s); they load the "
+                 "models (a minute or two for a 1.5B pair) ...", self.cores)
         atexit.register(self.close)
         try:
             for role, core in zip(("target", "draft"), self.cores):
@@ -68,7 +73,13 @@ class WorkerPool:
                        "--draft", self.draft, "--dtype", self.dtype]
                 if core is not None:
                     cmd += ["--core", str(core)]
-                self.procs[role] = subprocess.Popen(cmd, env=env)
+                # The workers' own output (gloo's connection lines, XLA warnings) goes to a log
+                # file, not the user's terminal; its tail is quoted if a worker fails.
+                self.logs[role] = tempfile.NamedTemporaryFile(
+                    mode="w+b", prefix=f"ssd_jax-{role}-", suffix=".log", delete=False)
+                self.procs[role] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
+                                                    stdout=self.logs[role],
+                                                    stderr=subprocess.STDOUT)
             # multiprocessing's Listener has no accept timeout; bound it on its socket so a
             # worker that dies before connecting cannot hang the caller.
             sock = getattr(getattr(listener, "_listener", None), "_socket", None)
@@ -79,9 +90,11 @@ class WorkerPool:
                 pending.append(listener.accept())
             deadline = time.monotonic() + self.start_timeout
             for conn in pending:
-                if not conn.poll(max(deadline - time.monotonic(), 0)):
-                    raise WorkerError("worker processes did not become ready in "
-                                      f"{self.start_timeout:.0f}s")
+                while not conn.poll(min(1.0, max(deadline - time.monotonic(), 0))):
+                    self._check_alive()
+                    if time.monotonic() > deadline:
+                        raise WorkerError("worker processes did not become ready in "
+                                          f"{self.start_timeout:.0f}s")
                 kind, payload, *info = conn.recv()
                 if kind != "ready":
                     raise WorkerError(f"worker failed to start:\n{payload}")
@@ -134,12 +147,27 @@ class WorkerPool:
         except BaseException:
             self.close()
 
+    def _check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise WorkerError(f"the {name} worker exited with code {proc.returncode}"
+                                  f"{self._log_tail(name)}")
+
+    def _log_tail(self, role: str, lines: int = 15) -> str:
+        f = self.logs.get(role)
+        if f is None:
+            return ""
+        try:
+            with open(f.name, "rb") as r:
+                tail = r.read()[-4000:].decode("utf-8", "replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return f"; the end of its log ({f.name}):\n" + "\n".join(tail) if tail else ""
+
     def _recv(self, role: str):
         conn = self.conns[role]
         while not conn.poll(1.0):
-            for name, proc in self.procs.items():
-                if proc.poll() is not None:
-                    raise WorkerError(f"the {name} worker exited with code {proc.returncode}")
+            self._check_alive()
         kind, payload = conn.recv()
         if kind == "error":
             raise WorkerError(f"the {role} worker failed:\n{payload}")
@@ -160,3 +188,10 @@ class WorkerPool:
                 proc.wait()
         self.procs.clear()
         self.conns.clear()
+        for f in self.logs.values():
+            f.close()
+            try:
+                os.unlink(f.name)  # a clean stop leaves no log behind
+            except OSError:
+                pass
+        self.logs.clear()

@@ -71,8 +71,8 @@ class _Server:
         from jax.sharding import Mesh, NamedSharding
         from jax.sharding import PartitionSpec as P
         from ssd_jax.sharding import TP
-        from ssd_jax.engine import vocab_from_extra
-        from ssd_jax.loading import load
+        from ssd_jax.engine import pair_vocab
+        from ssd_jax.loading import describe, load
         from ssd_jax.multihost import Exchange
         from ssd_jax.runner import ModelRunner
         self.role, self.conn = args.role, conn
@@ -81,16 +81,23 @@ class _Server:
         local = jax.local_devices()
         self.mesh = Mesh(np.array(local), (TP,)) if len(local) > 1 else None
         self.replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
-        draft, _, extra = load(args.draft, dtype=args.dtype)
-        self.vocab = vocab_from_extra(extra)
-        self.draft = ModelRunner(draft, self.mesh)
+        target = describe(args.target, dtype=args.dtype)
+        self.vocab = pair_vocab(target, describe(args.draft, dtype=args.dtype))
+        self.vocab_size = target[0].vocab_size
+        # The target role needs the draft only for SD: load it then, not for AR/SSD, so the two
+        # processes together hold each model once (a 1.5B + 0.5B pair is ~9.6 GB in fp32).
+        self._load_draft = lambda: ModelRunner(load(args.draft, dtype=args.dtype)[0], self.mesh)
+        self._draft = self._load_draft() if self.role == "draft" else None
         self.target = None
         if self.role == "target":
             self.target = ModelRunner(load(args.target, dtype=args.dtype)[0], self.mesh)
-        self.vocab_size = (self.target.config.vocab_size if self.target is not None else
-                           (self.vocab.target_size if self.vocab is not None
-                            else draft.config.vocab_size))
         self.exchange = Exchange(self.replicated)
+
+    @property
+    def draft(self):
+        if self._draft is None:
+            self._draft = self._load_draft()
+        return self._draft
 
     def layout(self) -> dict:
         """This side's devices and how its model's MLP is split (for checks and logs)."""

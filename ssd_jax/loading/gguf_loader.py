@@ -1,6 +1,7 @@
 """GGUF files: metadata -> ModelConfig + tokenizer, tensors dequantised with the `gguf` package."""
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -41,6 +42,56 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
     out_dim = w.shape[0]
     return (w.reshape(num_heads, out_dim // num_heads // 2, 2, *w.shape[1:])
             .swapaxes(1, 2).reshape(w.shape))
+
+
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+            12: "d"}  # GGUF value type -> struct code
+_STRING, _ARRAY = 8, 9
+
+
+def read_header(path: Path, *, stop_at: str | None = None) -> tuple[dict, dict[str, tuple]]:
+    """(metadata, {tensor name: (shape, ggml type)}) read straight from a GGUF header.
+
+    The gguf package's reader builds a numpy view per string and takes seconds on Qwen's
+    150k-token vocabulary; reading the header here takes a fraction of that, so the calling
+    process can learn a model's config and tokenizer without that cost. `stop_at` returns as
+    soon as that key has been read (tensors are then not listed)."""
+    import struct
+    with open(path, "rb") as f:
+        def read(code, n=1):
+            size = struct.calcsize(code)
+            return struct.unpack(f"<{n}{code}", f.read(size * n))
+
+        def string():
+            return f.read(read("Q")[0]).decode("utf-8", "replace")
+
+        def value(kind):
+            if kind == _STRING:
+                return string()
+            if kind == _ARRAY:
+                inner, count = read("I")[0], read("Q")[0]
+                if inner in _SCALARS:
+                    return list(read(_SCALARS[inner], count))
+                return [value(inner) for _ in range(count)]
+            return read(_SCALARS[kind])[0]
+
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (no GGUF magic): is the download complete?")
+        read("I")  # version
+        n_tensors, n_kv = read("Q")[0], read("Q")[0]
+        meta = {}
+        for _ in range(n_kv):
+            key = string()
+            meta[key] = value(read("I")[0])
+            if key == stop_at:
+                return meta, {}
+        tensors = {}
+        for _ in range(n_tensors):
+            name, n_dims = string(), read("I")[0]
+            dims = read("Q", n_dims)
+            kind, _offset = read("I")[0], read("Q")[0]
+            tensors[name] = (tuple(reversed(dims)), kind)  # GGUF lists the fastest dim first
+    return meta, tensors
 
 
 def read_metadata(reader) -> dict:
@@ -96,10 +147,18 @@ def config_from_gguf(meta: dict, tensor_names: set[str], *, dtype: str = "float3
 
 
 def open_gguf(path: Path):
-    import gguf
     if not path.exists():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
-    return gguf.GGUFReader(str(path))
+    return _reader(str(Path(path).resolve()), path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _reader(path: str, mtime_ns: int):
+    # Parsing a header costs seconds for a 150k-token vocabulary (every string becomes a numpy
+    # view): describing a model and then loading it reads the header once. The reader
+    # memory-maps the file, so keeping it costs address space, not memory.
+    import gguf
+    return gguf.GGUFReader(path)
 
 
 def iter_gguf_weights(reader, config: ModelConfig):

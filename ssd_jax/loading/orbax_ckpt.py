@@ -37,11 +37,26 @@ def save(model: Transformer, tokenizer: Tokenizer | None, directory: str | Path,
     state = nnx.state(model, nnx.Param).to_pure_dict()
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(directory / "params", state, force=True)
+    marker = directory / "params" / "commit_success.txt"
+    if marker.exists():  # orbax writes this machine's absolute folder into it
+        marker.write_text("Checkpoint commit was successful\n")
     (directory / CONFIG_FILE).write_text(json.dumps(
         {"model": model.config.to_dict(), "extra": extra or {}}, indent=1))
     if tokenizer is not None:
         tokenizer.save(directory)
     return directory
+
+
+def describe(directory: str | Path, *, dtype: str | None = None
+             ) -> tuple[ModelConfig, Tokenizer | None, dict]:
+    """Config, tokenizer and extra of a checkpoint, without restoring its params."""
+    directory = Path(directory).absolute()
+    meta = json.loads((directory / CONFIG_FILE).read_text())
+    config = ModelConfig.from_dict(meta["model"])
+    if dtype is not None:
+        config = config.replace(dtype=dtype)
+    tokenizer = Tokenizer.load(directory) if (directory / "tokenizer.json").exists() else None
+    return config, tokenizer, meta.get("extra", {})
 
 
 def load(directory: str | Path, *, dtype: str | None = None) -> tuple[Transformer, Tokenizer | None, dict]:

@@ -98,9 +98,8 @@ def find(name: str) -> PackagedModel | None:
 
 
 def gguf_general_name(path: Path) -> str | None:
-    import gguf
-    field = gguf.GGUFReader(str(path)).fields.get("general.name")
-    return None if field is None else field.contents()
+    from ssd_jax.loading.gguf_loader import read_header
+    return read_header(path, stop_at="general.name")[0].get("general.name")
 
 
 def _check(model: PackagedModel, path: Path) -> None:
