@@ -38,7 +38,7 @@ else
 fi
 
 LOG="$OUT/log.txt"
-for mod in jax flax jaxtyping pytest jinja2 tokenizers safetensors; do
+for mod in jaxtyping pytest jinja2; do
   if ! "$PY" -c "import $mod" 2>/dev/null; then
     echo "installing $mod's wheel from $WHEELS (offline)" | tee -a "$LOG"
     "$PY" -m pip install -q --no-index --no-deps --no-cache-dir --target /tmp/ssd_site \

@@ -14,7 +14,6 @@ bench/speed_model.py: AR and SD on one device (draft and target take turns), SSD
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import os
 import time
 
@@ -50,7 +49,7 @@ def model_config(name: str, *, dry_run: bool, attention: str):
         config = ModelConfig(dtype="bfloat16", **SHAPES[name])
     config = config.replace(attention_backend=attention)
     # The dry run keeps each model's head layout (GQA groups, head_dim) and shrinks the rest.
-    return config.replace(num_layers=2, hidden_size=128, intermediate_size=256,
+    return config.replace(num_layers=1, hidden_size=128, intermediate_size=256,
                           vocab_size=512) if dry_run else config
 
 
@@ -191,7 +190,7 @@ def predict(target: dict, draft: dict, *, k: int, accept: float, hit_rates) -> l
                           all_hit_rate=p, rows=1, t_verify=t_verify, t_build=t_build,
                           t_backup=t_draft, ar_tok_s=ar)
         out.append(dict(mode="SSD", devices=2, hit_rate=p, tok_s=ssd["tok_s"],
-                        vs_ar=ssd["speedup_vs_ar"], tokens_per_round=ssd["e_hit"],
+                        vs_ar=ssd["speedup_vs_ar"], tokens_per_round=tokens_per_round(hist),
                         verify_ms=1e3 * t_verify, build_ms=1e3 * t_build,
                         backup_ms=1e3 * t_draft))
     return out
@@ -208,7 +207,3 @@ def predictions_markdown(rows: list[dict], header: str) -> str:
             f(r["vs_ar"], "{:.2f}x"), f(r.get("verify_ms", r.get("step_ms")), "{:.3f}"),
             f(r.get("draft_ms", r.get("build_ms")), "{:.3f}")]) + " |")
     return "\n".join(lines) + "\n"
-
-
-def finite(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)

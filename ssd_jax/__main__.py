@@ -24,7 +24,8 @@ DEFAULT_PROMPT = "Write a Python function that reverses a linked list."
 
 def quiet_logging() -> None:
     """Status lines on stderr through `logging`; library chatter (absl, XLA) kept out."""
-    logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=logging.WARNING, format="[ssd_jax] %(message)s", stream=sys.stderr,
+                        force=True)
     logging.getLogger("ssd_jax").setLevel(logging.INFO)
     for noisy in ("jax", "absl", "orbax", "urllib3", "httpx"):
         logging.getLogger(noisy).setLevel(logging.ERROR)

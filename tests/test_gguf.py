@@ -115,7 +115,7 @@ def dequantize(raw: np.ndarray, qtype) -> np.ndarray:
     elems, nbytes, fn = BLOCKS[Q(qtype)]
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
     rows = raw.shape[0]
-    return fn(raw.reshape(-1, nbytes)).reshape(rows, -1 if rows else 0)
+    return fn(raw.reshape(-1, nbytes)).reshape(rows, -1)
 
 
 # --- K-quant blocks packed from chosen fields --------------------------------------------------
@@ -153,7 +153,8 @@ def _pack_q6_k(rng, rows: int, cols: int):
         q1, q2, q3, q4 = (q[:, 128 * h + 32 * k:128 * h + 32 * k + 32] for k in range(4))
         ql[:, 64 * h:64 * h + 32] = (q1 & 0xF) | ((q3 & 0xF) << 4)
         ql[:, 64 * h + 32:64 * h + 64] = (q2 & 0xF) | ((q4 & 0xF) << 4)
-        qh[:, 32 * h:32 * h + 32] = (q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4) | ((q4 >> 4) << 6)
+        qh[:, 32 * h:32 * h + 32] = ((q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4)
+                                     | ((q4 >> 4) << 6))
     raw = np.concatenate([ql.astype(np.uint8), qh.astype(np.uint8),
                           sc.astype(np.int8).view(np.uint8), d.view(np.uint8).reshape(n, 2)],
                          axis=1)

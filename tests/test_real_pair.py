@@ -51,9 +51,11 @@ def _hf_tokenizer(path):
 # --- tokenizer ----------------------------------------------------------------------------------
 
 CODE = [
-    'def fib(n: int) -> int:\n    """Return F(n)."""\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n',
+    'def fib(n: int) -> int:\n    """Return F(n)."""\n'
+    '    return n if n < 2 else fib(n - 1) + fib(n - 2)\n',
     "class Stack:\n\tdef __init__(self):\n\t\tself.items = []\n",
-    "fn main() {\n    let v: Vec<u32> = (1..=10).map(|x| x * x).collect();\n    println!(\"{:?}\", v);\n}",
+    "fn main() {\n    let v: Vec<u32> = (1..=10).map(|x| x * x).collect();\n"
+    "    println!(\"{:?}\", v);\n}",
     "#include <stdio.h>\nint main(void) { printf(\"%d\\n\", 42); return 0; }",
     "const add = (a, b) => a + b;\nconsole.log(`sum=${add(1, 2)}`);",
     "package main\n\nimport \"fmt\"\n\nfunc main() {\n\tfmt.Println(\"hello, 世界\")\n}",
@@ -92,8 +94,9 @@ CONTRACTIONS = ["don't", "I'm", "you're", "we've", "she'll", "they'd", "it's", "
                 "I'd've", "'tis", "y'all'd've", "can't won't shan't"]
 SPECIAL = [
     "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_start|>user\nhi<|im_end|>\n",
-    "<tool_call>\n{\"name\": \"f\"}\n</tool_call>", "<|fim_prefix|>def f():<|fim_suffix|>\n<|fim_middle|>",
-    "<|im_start|><|im_end|>", "<|im_start", "im_end|>", "<|IM_START|>", "<|repo_name|>x<|file_sep|>y",
+    "<tool_call>\n{\"name\": \"f\"}\n</tool_call>",
+    "<|fim_prefix|>def f():<|fim_suffix|>\n<|fim_middle|>", "<|im_start|><|im_end|>",
+    "<|im_start", "im_end|>", "<|IM_START|>", "<|repo_name|>x<|file_sep|>y",
     "text<|endoftext|>more", " <|im_end|> ", "<|im_end|><|im_end|>", "<|box_start|>1<|box_end|>",
     "<tool_call>", "</tool_call>x", "<|vision_start|><|image_pad|><|vision_end|>",
 ]
@@ -143,10 +146,10 @@ def test_token_ids_match_transformers(tokenizers):
     rendered = [ours.apply_chat_template(m) for m in MESSAGE_LISTS]
     strings = _strings(rendered)
     assert len(strings) >= 200
-    mismatched = [s for s in strings
-                  if ours.encode(s, add_special_tokens=False) != hf.encode(s, add_special_tokens=False)
-                  or ours.encode(s) != hf.encode(s)]
-    assert not mismatched, f"{len(mismatched)}/{len(strings)} strings differ, e.g. {mismatched[:5]!r}"
+    mismatched = [s for s in strings if ours.encode(s) != hf.encode(s)
+                  or ours.encode(s, add_special_tokens=False) != hf.encode(s, add_special_tokens=False)]
+    assert not mismatched, (f"{len(mismatched)}/{len(strings)} strings differ, "
+                            f"e.g. {mismatched[:5]!r}")
     # Byte-level BPE loses nothing: decoding gives back the exact string (no normalisation).
     assert all(ours.decode(ours.encode(s), skip_special_tokens=False) == s for s in strings)
 
@@ -175,8 +178,8 @@ def pair(request):
     refs = []
     with torch.no_grad():
         for chat in CHATS:
-            prompt = list(hf_tok.apply_chat_template(chat, tokenize=True, add_generation_prompt=True,
-                                                     return_dict=False))
+            prompt = list(hf_tok.apply_chat_template(
+                chat, tokenize=True, add_generation_prompt=True, return_dict=False))
             out = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False,
                               eos_token_id=list(STOP), pad_token_id=STOP[0])
             full = out[0].tolist()
@@ -202,12 +205,15 @@ def test_logits_match_transformers(pair):
     logits, _ = llm.runner.forward(jnp.asarray(ids), jnp.broadcast_to(jnp.arange(T), (B, T)),
                                    llm.runner.new_cache(B, T), jnp.zeros((B,), jnp.int32),
                                    causal_mask(B, T))
-    worst = []
+    worst, generated = [], []
     for b, (s, r) in enumerate(zip(seqs, refs)):
         ours = np.asarray(logits[b, :len(s)])
         assert ours.shape == r["logits"].shape
-        worst.append(float(np.abs(ours - r["logits"]).max()))
-    print(f"{pair['name']}: max |logit diff| per prompt {worst}")
+        diff = np.abs(ours - r["logits"]).max(axis=-1)
+        worst.append(float(diff.max()))
+        generated.append(float(diff[len(r["prompt"]):].max()))
+    print(f"{pair['name']}: max |logit diff| per prompt {worst}, over the generated tokens "
+          f"{generated}")
     assert max(worst) <= 1e-3, worst
 
 

@@ -48,6 +48,8 @@ def main(argv=None) -> int:
                    help="continue this draft checkpoint (its architecture and vocabulary)")
     m = sub.add_parser("measure", help="acceptance and latency on held-out prompts")
     m.add_argument("--draft", default="smollm2-draft")
+    m.add_argument("--target", default="smollm2",
+                   help="e.g. --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b")
     m.add_argument("--max-new-tokens", type=int, default=128)
     m.add_argument("-K", type=int, default=5)
     m.add_argument("--json", type=Path, default=None, help="also write the report here")
@@ -77,7 +79,8 @@ def main(argv=None) -> int:
     else:
         from ssd_jax.distill.measure import measure
         import json
-        report = measure(args.draft, max_new_tokens=args.max_new_tokens, K=args.K)
+        report = measure(args.draft, target_name=args.target, max_new_tokens=args.max_new_tokens,
+                         K=args.K)
         if args.json:
             args.json.write_text(json.dumps(report, indent=1))
     return 0

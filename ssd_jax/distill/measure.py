@@ -101,13 +101,23 @@ def decode_latency(model, *, cache_len: int = 512, prefix: int = 256, reps: int 
     return float(np.median(times))
 
 
+def _load_draft(name: str):
+    """Our distilled drafts speak target ids through their vocabulary map; a pretrained draft
+    that shares the target's tokenizer (Qwen2.5-Coder-0.5B) is used as it is."""
+    from ssd_jax.draft_vocab import VocabMap
+    from ssd_jax.loading import load
+    model, _, extra = load(name)
+    return DraftModel(model, VocabMap.from_dict(extra["vocab_map"])) if extra.get("vocab_map") \
+        else model
+
+
 def measure(draft_name: str = "smollm2-draft", *, target_name: str = "smollm2",
             max_new_tokens: int = 128, K: int = 5) -> dict:
     from ssd_jax import LLM
 
     prompts = held_out_prompts()
     llm = LLM(target_name, engine=EngineConfig(max_batch=32, max_seq_len=512, prefill_bucket=128))
-    draft, _ = DraftModel.load(draft_name)
+    draft = _load_draft(draft_name)
     ids = [llm._encode(p, chat=True) for p in prompts]
     t0 = time.perf_counter()
     res = llm.generate(ids, SamplingParams(max_new_tokens=max_new_tokens), chat=False)

@@ -1,7 +1,6 @@
 """GGUF files: metadata -> ModelConfig + tokenizer, tensors dequantised with the `gguf` package."""
 from __future__ import annotations
 
-import functools
 import re
 from pathlib import Path
 
@@ -147,25 +146,21 @@ def config_from_gguf(meta: dict, tensor_names: set[str], *, dtype: str = "float3
 
 
 def open_gguf(path: Path):
+    """The gguf package's reader (memory-maps the file; drop it after loading, or the pages
+    it touched stay resident)."""
+    import gguf
     if not path.exists():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
-    return _reader(str(Path(path).resolve()), path.stat().st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=4)
-def _reader(path: str, mtime_ns: int):
-    # Parsing a header costs seconds for a 150k-token vocabulary (every string becomes a numpy
-    # view): describing a model and then loading it reads the header once. The reader
-    # memory-maps the file, so keeping it costs address space, not memory.
-    import gguf
-    return gguf.GGUFReader(path)
+    return gguf.GGUFReader(str(path))
 
 
 def iter_gguf_weights(reader, config: ModelConfig):
     """(HF name, float32 array) pairs, dequantised, with llama's q/k permutation undone."""
     import gguf
     for t in reader.tensors:
-        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        # A copy, always: an F32 tensor comes back as a view of the memory-mapped file, and JAX
+        # on CPU may alias it, which would keep the whole file mapped (and resident) for good.
+        w = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32, copy=True)
         name = hf_name(t.name)
         if config.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads

@@ -29,7 +29,22 @@ def load_gguf(path: Path, *, dtype: str = "float32", progress: bool = False):
     weights = gguf_loader.iter_gguf_weights(reader, config)
     if progress:
         weights = _progress(weights, len(reader.tensors), f"dequantising {path.name}")
-    return build_model(config, weights), tokenizer
+    model = build_model(config, weights)
+    del reader, weights
+    _release_freed_memory()
+    return model, tokenizer
+
+
+def _release_freed_memory() -> None:
+    """Hand the dequantisation's freed scratch back to the OS: glibc keeps freed heap pages
+    (0.3 GB after the 0.5B draft) resident otherwise. A no-op off glibc."""
+    import ctypes
+    import gc
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def describe_gguf(path: Path, *, dtype: str = "float32") -> tuple[ModelConfig, Tokenizer]:
