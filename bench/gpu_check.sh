@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The accelerator check in one shot, offline, from the working tree (no model files: random
 # weights are built on the machine). Every part is time-boxed; a part that runs out keeps what it
-# measured and the next part still runs. About 7.5 minutes at most on one GPU:
-#   tests      the tree-attention kernel tests, compiled (SSD_PALLAS_INTERPRET=0)      100 s
-#   kernels    kernel vs XLA reference timings (bench/kernels.py sweep, bf16)         75 s
-#   exactness  greedy AR == SD == SSD (batch 1, 4); Pallas model vs XLA model          90 s
-#   physics    step costs of real-shaped bf16 models (bench/step_costs.py)            150 s
-#   predict    the speed model on those costs + CPU-measured acceptance               20 s
+# measured and the next part still runs. At most ~7.5 minutes on one GPU (boxes sum to 435 s):
+#   tests      the tree-attention kernel tests, compiled (SSD_PALLAS_INTERPRET=0)      90 s
+#   kernels    kernel vs XLA reference timings (bench/kernels.py sweep, bf16)         60 s
+#   exactness  greedy AR == SD == SSD (batch 1, 4); Pallas model vs XLA model         120 s
+#   physics    step costs of real-shaped bf16 models (bench/step_costs.py)           140 s
+#   predict    the speed model on those costs + CPU-measured acceptance               15 s
+#   summary    part statuses into summary.json                                        10 s
 # Usage: bash bench/gpu_check.sh [--dry-run] OUTDIR
 #   --dry-run: the same parts on CPU with tiny sizes and the kernel interpreted (CI runs this).
 #   PYTHON=... picks the interpreter (default python3); WHEELS=DIR holds wheels for a missing
@@ -68,13 +69,13 @@ part() {  # part NAME SECONDS LOGFILE CMD...: run CMD time-boxed, one status lin
 }
 
 CHECK=("$PY" bench/gpu_check.py)
-part tests 100 "$OUT/tests.txt" "$PY" -m pytest tests/test_tree_attention.py -q -rs \
+part tests 90 "$OUT/tests.txt" "$PY" -m pytest tests/test_tree_attention.py -q -rs \
   -p no:cacheprovider "${TESTS[@]}"
-part kernels 75 "$LOG" "${CHECK[@]}" kernels --out "$OUT" "${DRY[@]}"
-part exactness 90 "$LOG" "${CHECK[@]}" exactness --out "$OUT" "${DRY[@]}"
-part physics 150 "$LOG" "${CHECK[@]}" physics --out "$OUT" --budget-s 110 "${DRY[@]}"
-part predict 20 "$LOG" "${CHECK[@]}" predict --out "$OUT" "${DRY[@]}"
-timeout 20 "${CHECK[@]}" summary --out "$OUT" 2>&1 | tee -a "$LOG"
+part kernels 60 "$LOG" "${CHECK[@]}" kernels --out "$OUT" "${DRY[@]}"
+part exactness 120 "$LOG" "${CHECK[@]}" exactness --out "$OUT" "${DRY[@]}"
+part physics 140 "$LOG" "${CHECK[@]}" physics --out "$OUT" --budget-s 100 "${DRY[@]}"
+part predict 15 "$LOG" "${CHECK[@]}" predict --out "$OUT" "${DRY[@]}"
+timeout 10 "${CHECK[@]}" summary --out "$OUT" 2>&1 | tee -a "$LOG"
 # The tables again at the end, so a caller that sees only the output's tail still gets them.
 for f in exactness.md physics.md predictions.md status.txt; do
   echo "--- $f"; cat "$OUT/$f" 2>/dev/null || echo "(missing)"

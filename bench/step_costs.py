@@ -2,9 +2,9 @@
 
 Random weights of the real shapes (no model files: the GPU machine has no network), bf16:
   decode     one AR step (runner.decode: forward of 1 token, greedy pick, cache commit);
-  score T    the target forward over T new tokens after the prefix (SD/SSD verification is T=K+1;
-             SSD's draft glue is T=K+1 and each tree step scores the M branches of a row, ~T=M);
-  rows B     a 1-token forward over B rows (the draft's neural backup, a batch of rows).
+  score T    a forward over T new tokens of one row after its prefix (verification is T=K+1;
+             SSD's draft glue is T=K+1, and each tree step scores a row's M branches, ~T=M);
+  rows B     a 1-token forward over B rows (batched decoding, a backup over B missed rows).
 The prefix is half the cache (--context). Medians of --repeats calls after a warm-up; the
 warm-ups (compiles) of one model run in threads, since XLA compiles without the GIL.
 
@@ -96,7 +96,7 @@ def measure(name: str, config, *, tokens, rows, context: int, repeats: int, reco
     steps = {("decode", 1): _decode_step(runner, context, prefix)}
     steps.update({("score", T): _forward_step(runner, shared, 1, T, prefix) for T in tokens})
     steps.update({("rows", B): _forward_step(runner, runner.new_cache(B, context), B, 1, prefix)
-                  for B in rows if B > 1})
+                  for B in rows if B != 1 or 1 not in tokens})  # rows 1 = score 1
     t0 = time.perf_counter()
     workers = min(8, len(steps), os.cpu_count() or 1)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
@@ -109,7 +109,7 @@ def measure(name: str, config, *, tokens, rows, context: int, repeats: int, reco
             result["decode_ms"] = ms
         else:
             result[f"{kind}_ms"][n] = ms
-        if kind == "score" and n == 1:
+        if kind == "score" and n == 1 and 1 in rows:
             result["rows_ms"][1] = ms
         record(result)
     return result
