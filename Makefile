@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/python -m ssd_jax "What is the capital of France?"
+	$(VENV)/bin/python -m ssd_jax
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
