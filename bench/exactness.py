@@ -149,14 +149,36 @@ def backends(dry_run: bool, n_new: int) -> dict:
     engine = EngineConfig(max_batch=4, max_seq_len=256, prefill_bucket=16)
     greedy = {k: [o.token_ids for o in LLM(m, engine=engine).generate(PROMPTS, p, mode="ar")]
               for k, m in (("xla", xla), ("pallas", pallas))}
+    diffs = first_diff(greedy["xla"], greedy["pallas"])
+    gaps = [None if i is None else
+            _gap(runners["xla"], prompt + greedy["xla"][r][:i], greedy["xla"][r][i],
+                 greedy["pallas"][r][i]) for r, (prompt, i) in enumerate(zip(PROMPTS, diffs))]
     return dict(cases=cases, greedy_equal=greedy["xla"] == greedy["pallas"],
-                greedy_tokens=sum(map(len, greedy["xla"])),
-                greedy_first_diff=first_diff(greedy["xla"], greedy["pallas"]))
+                greedy_tokens=sum(map(len, greedy["xla"])), greedy_first_diff=diffs,
+                # bf16 logits are rounded to 2^-8 relative: ties are common, and a tie may go
+                # either way. A divergence is a kernel error only if it is not one.
+                greedy_near_ties=all(g is None or g["within_tol"] for g in gaps),
+                greedy_gaps=gaps)
+
+
+def _gap(runner, ids: list[int], a: int, b: int) -> dict:
+    """How far apart the reference's logits of tokens a and b are after `ids` (a full
+    forward of the sequence, no cache)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from ssd_jax.models import causal_mask
+    T = len(ids)
+    logits, _ = runner.forward(jnp.asarray([ids], jnp.int32), jnp.arange(T)[None],
+                               runner.new_cache(1, T), jnp.zeros((1,), jnp.int32),
+                               causal_mask(1, T))
+    last = np.asarray(logits[0, -1])
+    gap = float(last[a] - last[b])
+    return dict(gap=gap, within_tol=abs(gap) <= TOL * max(1.0, float(np.abs(last).max())))
 
 
 def passed(spec: list[dict], agree: dict | None) -> bool:
     return (all(r["sd_equals_ar"] and r["ssd_equals_ar"] for r in spec) and agree is not None
-            and agree["greedy_equal"] and all(c["within_tol"] for c in agree["cases"].values()))
+            and agree["greedy_near_ties"] and all(c["within_tol"] for c in agree["cases"].values()))
 
 
 def markdown(spec: list[dict], agree: dict | None, header: str) -> str:
@@ -184,7 +206,10 @@ def markdown(spec: list[dict], agree: dict | None, header: str) -> str:
         lines.append(f"| {name} | {c['max_abs_diff']:.4f} | {c['max_abs_logit']:.2f} | "
                      f"{'yes' if c['within_tol'] else '**NO**'} | {c['argmax_agree']}/"
                      f"{c['positions']} | {'–' if margin is None else f'{margin:.4f}'} |")
-    lines += ["", f"Greedy tokens ({agree['greedy_tokens']}): {yes(agree['greedy_equal'])}"
-              + ("" if agree["greedy_equal"] else
-                 f" (first differing step per prompt: {agree['greedy_first_diff']})")]
+    verdict = ("**equal**" if agree["greedy_equal"] else "**equal up to near-ties**"
+               if agree["greedy_near_ties"] else "**DIFFERENT**")
+    lines += ["", f"Greedy tokens ({agree['greedy_tokens']}): {verdict}" + (
+        "" if agree["greedy_equal"] else f" (first differing step per prompt: "
+        f"{agree['greedy_first_diff']}; reference logit gap there: "
+        f"{[g and round(g['gap'], 4) for g in agree['greedy_gaps']]})")]
     return "\n".join(lines) + "\n"

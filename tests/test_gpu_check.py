@@ -50,7 +50,7 @@ def test_parts_report_what_they_checked(dry_run):
         assert row["sd_equals_ar"] and row["ssd_equals_ar"] and row["ar"] == row["ssd"]
         assert len(row["ar"]) == row["batch"] and row["tokens"] == 12 * row["batch"]
         assert 0 < row["ssd_hits"] < row["ssd_rounds"]  # SSD both hit and missed: not vacuous
-    assert ex["backends"]["greedy_equal"] and set(ex["backends"]["cases"]) == {"decode", "tree"}
+    assert ex["backends"]["greedy_near_ties"] and set(ex["backends"]["cases"]) == {"decode", "tree"}
     assert "**equal**" in (out / "exactness.md").read_text()
 
     models = summary["physics"]["models"]
