@@ -14,7 +14,7 @@ import argparse
 import logging
 import sys
 
-from ssd_jax import LLM, EngineConfig, SamplingParams
+from ssd_jax import LLM, EngineConfig, SamplingParams, distributed
 from ssd_jax.config import SpecConfig
 
 
@@ -49,13 +49,13 @@ def main(argv=None) -> int:
                     help="after an SD/SSD answer, decode the prompt with AR on the same target "
                          "core and print both speeds")
     ap.add_argument("--mode", default="ssd", choices=["ar", "sd", "ssd"])
-    # K=2 (and so M = 2(K+1) = 6 branches): on the 2-core CPU the demo pair measured SSD 8.5
-    # tok/s = 1.73x AR at K=2/M=6 against 5.9 tok/s = 1.17x AR at K=4/M=10 (the draft's tree
-    # build, not acceptance, bounds a round there). Automatic settings are the next step.
-    ap.add_argument("--k", type=int, default=2, help="lookahead: draft tokens per round")
-    ap.add_argument("--budget", type=int, default=0, help="SSD branches per row M (0: 2(K+1))")
+    ap.add_argument("--k", type=int, default=None,
+                    help="lookahead: draft tokens per round (default: chosen from measured costs)")
+    ap.add_argument("--budget", type=int, default=0,
+                    help="SSD branches per row M (0: chosen with K, or 2(K+1) with --k)")
     ap.add_argument("--fanout", default="geometric", choices=["uniform", "geometric", "empirical"])
-    ap.add_argument("--backup", default="neural", choices=["neural", "fast", "auto"])
+    ap.add_argument("--backup", default=None, choices=["neural", "fast", "auto"],
+                    help="SSD backup on a cache miss (default: chosen with K)")
     ap.add_argument("--c", type=float, default=1.0, help="Saguaro sampling constant in (0, 1]")
     ap.add_argument("--driver", default="auto", choices=["auto", "single", "processes"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -71,6 +71,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     quiet_logging()
     try:
+        distributed.initialize()  # multi-host jobs: join before anything touches a device
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         spec_kw = dict(budget=args.budget, fanout=args.fanout, backup=args.backup, c=args.c)
@@ -112,6 +113,10 @@ def main(argv=None) -> int:
             line += f", {m.tokens_per_round:.2f} tokens/round"
         if m.ssd is not None:
             line += f", cache hit rate {m.ssd.hit_rate:.2f}"
+        if m.settings is not None:
+            line += f"; K={m.settings['k']}, M={m.settings['budget']}, backup {m.settings['backup']}"
+            if m.settings.get("automatic"):
+                line += f" (chosen automatically, predicted {m.settings['predicted_tok_s']:.1f} tok/s)"
         print(f"{line} (compilation before the run: {compile_s:.1f}s)", file=sys.stderr)
         if compare:
             llm.warmup(args.prompt, params, mode="ar")

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16")
+# Attention implementations (ssd_jax.models.attention.select_attention): "auto" = the Pallas
+# kernel on GPU/TPU and jnp elsewhere; "pallas-interpret" runs the kernel interpreted anywhere.
+ATTENTION_BACKENDS = ("auto", "jnp", "pallas", "pallas-interpret")
 
 
 def _require_ints(obj, *names: str) -> None:
@@ -59,7 +62,7 @@ class ModelConfig:
     dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    attention_backend: str = "auto"  # "auto" | "jnp" | "pallas"
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
 
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHS:
@@ -71,9 +74,9 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads="
                 f"{self.num_kv_heads}: grouped-query attention needs whole groups")
-        if self.attention_backend not in ("auto", "jnp", "pallas"):
-            raise ValueError(
-                f"attention_backend={self.attention_backend!r}: use 'auto', 'jnp' or 'pallas'")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r}: use one of "
+                             f"{ATTENTION_BACKENDS}")
 
     @property
     def qk_norm(self) -> bool:
@@ -143,31 +146,51 @@ class SamplingParams:
 
 @dataclass(frozen=True, kw_only=True)
 class SpecConfig:
-    """Speculation settings shared by SD and SSD (SSD-only fields are ignored by SD)."""
+    """Speculation settings shared by SD and SSD (SSD-only fields are ignored by SD).
 
-    k: int = 4  # lookahead: draft tokens per round
+    k=None (the default) lets the engine choose K, the branch budget and the backup from step
+    costs it measures once per machine and pair (`ssd_jax.autotune`); explicit values win.
+    """
+
+    k: int | None = None  # lookahead: draft tokens per round (None: chosen automatically)
     fanout: str = "geometric"  # SSD: "uniform" | "geometric" | "empirical"
-    budget: int = 0  # SSD: branches per row M (0 = 2 * (K + 1))
+    budget: int = 0  # SSD: branches per row M (0 = 2 * (K + 1), or chosen with K)
     c: float = 1.0  # SSD Saguaro sampling constant in (0, 1]
-    backup: str = "neural"  # SSD: "neural" | "fast" | "auto"
+    backup: str | None = None  # SSD: "neural" | "fast" | "auto" (None: chosen with K, or neural)
 
     def __post_init__(self):
-        _require_ints(self, "k", "budget")
-        if self.k < 1:
-            raise ValueError(f"K={self.k} is invalid: lookahead must be >= 1")
+        _require_ints(self, "budget")
+        if self.k is not None:
+            _require_ints(self, "k")
+            if self.k < 1:
+                raise ValueError(f"K={self.k} is invalid: lookahead must be >= 1")
+            if self.budget and self.budget < self.k + 1:
+                raise ValueError(f"budget={self.budget} is smaller than K+1={self.k + 1}: every "
+                                 "accept length needs at least one branch; raise the budget or "
+                                 "lower K")
+        if self.budget < 0:
+            raise ValueError(f"budget={self.budget} is invalid: use 0 (default) or a count")
         if self.fanout not in ("uniform", "geometric", "empirical"):
             raise ValueError(f"fanout={self.fanout!r}: use 'uniform', 'geometric' or 'empirical'")
-        if self.budget and self.budget < self.k + 1:
-            raise ValueError(f"budget={self.budget} is smaller than K+1={self.k + 1}: every accept "
-                             "length needs at least one branch; raise the budget or lower K")
         if not 0.0 < self.c <= 1.0:
             raise ValueError(f"c={self.c} is invalid: Saguaro's C must lie in (0, 1]")
-        if self.backup not in ("neural", "fast", "auto"):
+        if self.backup not in (None, "neural", "fast", "auto"):
             raise ValueError(f"backup={self.backup!r}: use 'neural', 'fast' or 'auto'")
 
     @property
+    def auto(self) -> bool:
+        return self.k is None
+
+    @property
     def branches(self) -> int:
+        if self.k is None:
+            raise ValueError("SpecConfig(k=None) has no branch count until the engine resolves "
+                             "it: pass k=... or let LLM choose")
         return self.budget or 2 * (self.k + 1)
+
+    @property
+    def backup_or_default(self) -> str:
+        return self.backup or "neural"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,6 +5,8 @@ bucket); shapes are bucketed so repeated calls reuse compiled programs.
 """
 from __future__ import annotations
 
+import hashlib
+import logging
 import numbers
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -15,6 +17,7 @@ from typing import Iterator, Sequence
 import jax
 import numpy as np
 
+from ssd_jax import autotune
 from ssd_jax.ar import ar_loop
 from ssd_jax.batch import make_batch, round_up
 from ssd_jax.config import EngineConfig, SamplingParams, SpecConfig
@@ -24,11 +27,11 @@ from ssd_jax.metrics import RunMetrics
 from ssd_jax.models.transformer import Transformer
 from ssd_jax.runner import ModelRunner
 from ssd_jax.sd import sd_loop
-from ssd_jax import distributed
 from ssd_jax.sharding import split_devices
 from ssd_jax.ssd import Placement, ssd_loop
 
 Prompt = str | Sequence[int] | list[dict]  # text, token ids, or chat messages
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -124,7 +127,6 @@ class LLM:
             if not isinstance(value, cls):
                 raise ValueError(f"{name}={_short(value)} is invalid: pass "
                                  f"{name}={cls.__name__}(...)")
-        distributed.initialize()  # multi-host jobs: join before any device is touched
         # Names/paths let worker processes load the same models (the "processes" driver).
         self.paths = (None if isinstance(model, Transformer) else str(model),
                       None if draft is None or isinstance(draft, Transformer) else str(draft))
@@ -159,6 +161,7 @@ class LLM:
                 described = describe(draft, dtype=dtype, cache_dir=cache_dir)
             self.vocab = pair_vocab(target, described)
         self.last_metrics: RunMetrics | None = None  # of the latest generate/stream call
+        self.last_choice: autotune.Choice | None = None  # automatic settings of the latest run
 
     # ---------------------------------------------------------------- models, loaded on use
     @property
@@ -235,15 +238,16 @@ class LLM:
             eos += list(self.tokenizer.eos_token_ids)
         return sorted(set(eos) | set(p.stop_token_ids))
 
-    def _check_batch(self, ids: list[list[int]], params: list[SamplingParams], mode: str) -> int:
+    def _check_batch(self, ids: list[list[int]], params: list[SamplingParams], mode: str,
+                     k: int = 0) -> int:
         if len(ids) > self.engine.max_batch:
             raise ValueError(f"batch of {len(ids)} prompts exceeds max_batch="
                              f"{self.engine.max_batch}: split the batch or raise "
                              "EngineConfig(max_batch=...)")
         need = max(len(t) + p.max_new_tokens for t, p in zip(ids, params))
         limit = min(self.engine.max_seq_len, self.config.max_position_embeddings)
-        if mode != "ar" and need + self.spec.k + 1 > limit >= need:
-            raise ValueError(f"K={self.spec.k} needs K+1={self.spec.k + 1} slots of cache slack "
+        if mode != "ar" and need + k + 1 > limit >= need:
+            raise ValueError(f"K={k} needs K+1={k + 1} slots of cache slack "
                              f"past the {need} positions of prompt + max_new_tokens, beyond the "
                              f"context of {limit}: lower K or max_new_tokens, or raise "
                              "EngineConfig(max_seq_len=...)")
@@ -287,42 +291,90 @@ class LLM:
     def __exit__(self, *exc):
         self.close()
 
-    def _run_in_workers(self, ids, params, mode, seq_len):
+    def _workers(self):
         from ssd_jax.pool import WorkerPool
         if self.pool is None:
             self.pool = WorkerPool(self.paths[0], self.paths[1], dtype=self.dtype,
                                    devices_per_worker=self.engine.worker_devices)
+        return self.pool
+
+    # ---------------------------------------------------------------- automatic settings
+    def _step_costs(self, mode: str, rows: int) -> autotune.StepCosts:
+        """Measured once per machine, pair, batch bucket and device split; then read back."""
+        driver = self.driver(mode)
+        names = [p or f"model-{hashlib.sha1(repr(c).encode()).hexdigest()[:10]}" for p, c in
+                 zip(self.paths, (self.config, self._draft_model and self._draft_model.config))]
+        split = driver if self.engine.mesh is None else f"{driver}:{self.engine.mesh}"
+        key = autotune.cache_key(*names, rows, self.dtype, split)
+        store = autotune.TuneStore(autotune.store_path(self.cache_dir))
+        costs = store.costs(key)
+        if costs is None:
+            log.info("measuring the target's scoring cost and the draft's step cost (batch %d, "
+                     "once per machine and pair) ...", rows)
+            if driver == "processes":
+                costs = self._workers().step_costs(rows)
+            else:
+                costs = autotune.StepCosts(
+                    autotune.time_scoring(self.runner, rows, autotune.TARGET_TOKENS),
+                    autotune.time_scoring(self.draft_runner, rows, autotune.DRAFT_TOKENS))
+            store.save_costs(key, costs, note=f"{names[0]} + {names[1]}, batch {rows}, {split}")
+        return costs
+
+    def _spec_for(self, mode: str, rows: int) -> SpecConfig:
+        """The settings of this run: the user's, or chosen through the speed model."""
+        self.last_choice = None
+        if mode == "ar" or not self.spec.auto:
+            return replace(self.spec, backup=self.spec.backup_or_default)
+        pair = autotune.pair_key(*(p or "model" for p in self.paths))
+        a, r = autotune.TuneStore(autotune.store_path(self.cache_dir)).acceptance(pair)
+        choice = autotune.choose(self._step_costs(mode, rows), a=a, r=r, batch=rows, mode=mode)
+        self.last_choice = choice
+        log.info("automatic settings (%s): %s", mode.upper(), choice.describe())
+        return replace(self.spec, k=choice.k, budget=choice.budget,
+                       backup=self.spec.backup or choice.backup)
+
+    def _learn(self, mode: str, metrics: RunMetrics) -> None:
+        """Keep this pair's measured acceptance for the next automatic choice."""
+        if mode == "ar" or sum(metrics.accept_hist) < 8 or not metrics.k:
+            return
+        pair = autotune.pair_key(*(p or "model" for p in self.paths))
+        autotune.TuneStore(autotune.store_path(self.cache_dir)).observe(pair, metrics.acceptance)
+
+    def _run_in_workers(self, ids, params, mode, seq_len, spec: SpecConfig):
         request = dict(mode=mode, ids=ids, params=[asdict(p) for p in params],
                        stops=[self._stop_ids(p) for p in params],
-                       prefill_bucket=self.engine.prefill_bucket, spec=asdict(self.spec),
+                       prefill_bucket=self.engine.prefill_bucket, spec=asdict(spec),
                        seq_len=seq_len, sync_every=self.engine.sync_every,
-                       backup=self.spec.backup)
-        metrics = RunMetrics(mode=mode, batch=len(ids))
-        run = self.pool.run(request)
+                       backup=spec.backup)
+        pool = self._workers()
+        metrics = RunMetrics(mode=mode, batch=len(ids), settings=self._settings(spec, mode))
+        run = pool.run(request)
         while True:
             try:
                 chunk = next(run)
             except StopIteration as stop:
                 # new_tokens is counted here, on the host that cuts rows at their stop.
                 metrics.__dict__.update({k: v for k, v in stop.value.__dict__.items()
-                                         if k != "new_tokens"})
+                                         if k not in ("new_tokens", "settings")})
                 return
             yield chunk, metrics
 
     def _run(self, ids: list[list[int]], params: list[SamplingParams], mode: str
              ) -> Iterator[tuple[list[list[int]], RunMetrics]]:
         """Yields (new tokens per real row, metrics) chunk by chunk."""
-        need = self._check_batch(ids, params, mode)
+        self._check_batch(ids, params, mode)  # batch size and context, before any measuring
         batch = make_batch(ids, params, [self._stop_ids(p) for p in params],
                            self.engine.prefill_bucket)
+        spec = self._spec_for(mode, batch.size)
+        need = self._check_batch(ids, params, mode, spec.k or 0)
         # Speculative modes write K+1 slots past the committed length each round.
-        slack = self.spec.k + 2 if mode != "ar" else 1
+        slack = spec.k + 2 if mode != "ar" else 1
         seq_len = round_up(max(need, batch.tokens.shape[1]) + slack, 256)
         if self.driver(mode) == "processes":
-            yield from self._run_in_workers(ids, params, mode, seq_len)
+            yield from self._run_in_workers(ids, params, mode, seq_len, spec)
             return
         metrics = RunMetrics(mode=mode, batch=len(ids), sync_phases=self.engine.sync_phases,
-                             k=self.spec.k if mode != "ar" else 0)
+                             k=spec.k if mode != "ar" else 0, settings=self._settings(spec, mode))
         if self.split is not None:
             batch = batch.place(self.split.target_replicated)
         cache = self.runner.new_cache(batch.size, seq_len)
@@ -331,17 +383,28 @@ class LLM:
         elif mode == "sd":
             draft_cache = self.sd_draft_runner.new_cache(batch.size, seq_len)
             chunks = sd_loop(self.runner, self.sd_draft_runner, self.vocab, batch, cache,
-                             draft_cache, self.spec.k, metrics, self.engine.sync_every)
+                             draft_cache, spec.k, metrics, self.engine.sync_every)
         else:
             draft_cache = self.draft_runner.new_cache(batch.size, seq_len)
-            backup = self.spec.backup
             placement = Placement() if self.split is None else Placement(
                 self.split.target_replicated, self.split.draft_replicated)
             chunks = ssd_loop(self.runner, self.draft_runner, self.vocab, batch, cache,
-                              draft_cache, self.spec, metrics, self.engine.sync_every,
-                              placement=placement, backup=backup)
+                              draft_cache, spec, metrics, self.engine.sync_every,
+                              placement=placement, backup=spec.backup)
         for chunk in chunks:
             yield chunk, metrics
+
+    def _settings(self, spec: SpecConfig, mode: str) -> dict | None:
+        """What ran, for metrics and bench results: settings and, when chosen, the prediction."""
+        if mode == "ar":
+            return None
+        out = dict(k=spec.k, budget=spec.branches, fanout=spec.fanout, backup=spec.backup,
+                   c=spec.c, automatic=self.last_choice is not None)
+        if self.last_choice is not None:
+            out.update(predicted_tok_s=self.last_choice.tok_s[mode],
+                       predicted=self.last_choice.tok_s, a_prior=self.last_choice.a,
+                       fanout_lists=self.last_choice.fanout)
+        return out
 
     def _collect(self, ids, params, mode
                  ) -> Iterator[tuple[list[list[int]], list[str | None], RunMetrics]]:
@@ -362,6 +425,7 @@ class LLM:
             metrics.new_tokens = sum(len(o) for o in out)
             self.last_metrics = metrics
             yield out, reason, metrics
+        self._learn(mode, metrics)
 
     def _prepare(self, prompts, sampling_params, chat):
         if _prompt_kind(prompts) is not None:  # one prompt, not a batch

@@ -18,6 +18,7 @@ class RunMetrics:
     draft_s: float = 0.0  # time in drafting (only with sync_phases)
     verify_s: float = 0.0  # time in target verification (only with sync_phases)
     ssd: object = None  # SSD: ssd.SSDStats (hit rates, accept histograms on hits / misses)
+    settings: dict | None = None  # SD/SSD: K, budget, backup...; when chosen, the prediction
 
     @property
     def decode_tokens(self) -> int:

@@ -106,6 +106,21 @@ class WorkerPool:
         finally:
             listener.close()
 
+    def step_costs(self, rows: int):
+        """The target's scoring cost and the draft's step cost, measured in the two workers at
+        once (each on its own core, slowing the other as it will in a run)."""
+        from ssd_jax.autotune import DRAFT_TOKENS, TARGET_TOKENS, StepCosts
+        self.start()
+        try:
+            self.conns["target"].send(("costs", dict(rows=rows, tokens=TARGET_TOKENS)))
+            self.conns["draft"].send(("costs", dict(rows=rows, tokens=DRAFT_TOKENS)))
+            target, draft = self._recv("target")[1], self._recv("draft")[1]
+        except BaseException:
+            self.close()
+            raise
+        return StepCosts({int(t): s for t, s in target.items()},
+                         {int(t): s for t, s in draft.items()})
+
     def run(self, request: dict):
         """Yields each chunk of new tokens; returns (via StopIteration.value) the metrics."""
         self.start()

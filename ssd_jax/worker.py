@@ -111,7 +111,17 @@ class _Server:
             msg = self.conn.recv()
             if msg[0] == "stop":
                 return
+            if msg[0] == "costs":
+                self.conn.send(("costs", self.step_costs(**msg[1])))
+                continue
             self.conn.send(self.run(msg[1]))
+
+    def step_costs(self, rows: int, tokens) -> dict:
+        """This side's forward cost per token count (autotune): the target scores, the draft
+        runs its glue and tree steps."""
+        from ssd_jax.autotune import time_scoring
+        runner = self.target if self.role == "target" else self.draft
+        return time_scoring(runner, rows, tokens)
 
     def run(self, req: dict):
         from ssd_jax.ar import ar_loop

@@ -98,7 +98,7 @@ def describe(name_or_path: str | Path, *, dtype: str = "float32", cache_dir: Pat
 
 
 def load(name_or_path: str | Path, *, dtype: str = "float32", cache_dir: Path | None = None,
-         progress: bool = False) -> tuple[Transformer, Tokenizer, dict]:
+         progress: bool = False) -> tuple[Transformer, Tokenizer | None, dict]:
     """Model, tokenizer and extra metadata from a name ("smollm2", "qwen2.5-coder-1.5b",
     "smollm2-draft"; see `packaged.MODELS`), a GGUF file,
     an HF directory (config.json + safetensors) or an ssd_jax orbax checkpoint directory."""

@@ -1,0 +1,201 @@
+"""Automatic speculation settings: measured step costs through the speed model pick K, the
+branch budget M (and so its split over accept lengths) and the backup.
+
+Costs are measured once per (machine, pair, batch, dtype), on the devices each side decodes on
+(the pinned worker cores on a CPU, so draft and target slow each other as they will in the
+run), and cached as JSON beside the models:
+  target(T): the target scoring T new tokens per row after a prefix (T = 1 .. K_MAX + 1);
+  draft(T):  the draft's forward of T new tokens per row (the glue scores K+1, a tree step M).
+Acceptance a (and the miss exponent r of the fan-out fit) come from this pair's earlier runs,
+stored in the same file; priors until then.
+
+For each (K, M), with P(k) the capped-geometric accept-length law in a and F the engine's
+theorem fan-out of M over the K+1 outcomes (fanout.py):
+  hit after k < K rejections-at-k: 1 - (F_k + 1)^-r (the recovery token is never the draft's
+  top-1, so F_k forks cover ranks 2..F_k+1); after all K accepted: 1 - (1 - a) F_K^-r
+  p = sum_k P(k) hit(k),  E = sum_k P(k) (k + 1) tokens per round
+  t_v = target(K+1),  t_build = draft(K+1) + K draft(M),  t_backup = K draft(1)
+  SSD tok/s = B E / (t_v [p_B max(1, t_build / t_v) + (1 - p_B)(1 + t_backup / t_v)])  (speed.py)
+  SD tok/s  = B E / (K draft(1) + t_v),   AR tok/s = B / target(1)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ssd_jax.fanout import FanoutModel, geometric_probs
+from ssd_jax.speed import ssd_speedup
+
+K_MAX = 4
+M_MAX = 16
+TARGET_TOKENS = tuple(range(1, K_MAX + 2))
+DRAFT_TOKENS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+PRIOR_A, PRIOR_R = 0.7, 1.5
+FAST_E_MISS = 1.2  # tokens per round after an n-gram guess (rarely accepted)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    target: dict  # T -> seconds (target scores T tokens per row)
+    draft: dict  # T -> seconds (draft forward over T tokens per row)
+
+    def draft_at(self, t: int) -> float:
+        """Linear between measured token counts (forward cost grows ~linearly in T here)."""
+        ts = sorted(self.draft)
+        return float(np.interp(t, ts, [self.draft[x] for x in ts]))
+
+
+@dataclass(frozen=True)
+class Choice:
+    k: int
+    budget: int
+    backup: str
+    fanout: list  # F_0..F_K
+    hit_rate: float  # predicted per-row hit rate
+    tokens_per_round: float
+    tok_s: dict  # mode -> predicted tok/s (ar, sd, ssd)
+    a: float
+    r: float
+
+    def describe(self) -> str:
+        return (f"K={self.k}, M={self.budget} (fan-out {self.fanout}), backup {self.backup}; "
+                f"predicted SSD {self.tok_s['ssd']:.1f} tok/s, SD {self.tok_s['sd']:.1f}, "
+                f"AR {self.tok_s['ar']:.1f} (a={self.a:.2f}, hit rate {self.hit_rate:.2f})")
+
+
+def hit_rate(a: float, r: float, fan: np.ndarray) -> float:
+    k = len(fan) - 1
+    p_k = geometric_probs(a, k)
+    f = np.maximum(np.asarray(fan, np.float64), 0)
+    hit = np.where(f > 0, 1 - (f + 1) ** -r, 0.0)
+    hit[k] = 1 - (1 - a) * max(f[k], 1) ** -r if f[k] > 0 else 0.0
+    return float((p_k * hit).sum())
+
+
+def predict(costs: StepCosts, k: int, m: int, *, a: float, r: float, batch: int,
+            backup: str = "neural") -> dict:
+    fan = FanoutModel("geometric", k, m, a=a, r=r).primary()
+    p = hit_rate(a, r, fan)
+    e = float((geometric_probs(a, k) * (np.arange(k + 1) + 1)).sum())
+    t_v = costs.target[k + 1]
+    t_build = costs.draft_at(k + 1) + k * costs.draft_at(m)
+    t_backup = k * costs.draft_at(1) if backup == "neural" else 0.0
+    e_miss = e if backup == "neural" else FAST_E_MISS
+    speedup = ssd_speedup(p, p ** batch, e, e_miss, t_build / t_v, t_backup / t_v)
+    return dict(hit_rate=p, tokens_per_round=e, fanout=[int(x) for x in fan],
+                ssd=batch * speedup / t_v, sd=batch * e / (k * costs.draft_at(1) + t_v),
+                ar=batch / costs.target[1])
+
+
+def choose(costs: StepCosts, *, a: float = PRIOR_A, r: float = PRIOR_R, batch: int = 1,
+           mode: str = "ssd") -> Choice:
+    """The (K, M, backup) with the highest predicted tok/s for `mode` ("ssd" or "sd")."""
+    best = None
+    k_max = max(t for t in costs.target) - 1
+    for k in range(1, min(K_MAX, k_max) + 1):
+        for m in range(k + 1, min(M_MAX, 4 * (k + 1)) + 1):
+            for backup in ("neural", "fast"):
+                pred = predict(costs, k, m, a=a, r=r, batch=batch, backup=backup)
+                score = pred[mode]
+                if best is None or score > best[0] + 1e-9:
+                    best = (score, k, m, backup, pred)
+                if mode == "sd":
+                    break  # SD has no branches or backup: one M per K
+            if mode == "sd":
+                break
+    _, k, m, backup, pred = best
+    return Choice(k=k, budget=m, backup=backup, fanout=pred["fanout"],
+                  hit_rate=pred["hit_rate"], tokens_per_round=pred["tokens_per_round"],
+                  tok_s={x: pred[x] for x in ("ar", "sd", "ssd")}, a=a, r=r)
+
+
+# ------------------------------------------------------------------ measuring
+def time_scoring(runner, batch: int, token_counts, *, prefix: int = 128, reps: int = 3) -> dict:
+    """Median seconds of one forward of T new tokens per row after `prefix` committed slots."""
+    import jax
+    import jax.numpy as jnp
+    from ssd_jax.models.attention import causal_mask
+    cache = runner.new_cache(batch, prefix + max(token_counts) + 1)
+    plen = jnp.full((batch,), prefix, jnp.int32)
+    out = {}
+    for t in token_counts:
+        tokens = jnp.zeros((batch, t), jnp.int32)
+        pos = jnp.broadcast_to(prefix + jnp.arange(t), (batch, t))
+        mask = causal_mask(batch, t)
+        times = []
+        for i in range(reps + 1):  # the first call compiles
+            t0 = time.perf_counter()
+            jax.block_until_ready(runner.forward(tokens, pos, cache, plen, mask))
+            if i:
+                times.append(time.perf_counter() - t0)
+        out[int(t)] = float(np.median(times))
+    return out
+
+
+# ------------------------------------------------------------------ the cache file
+def cache_key(target: str, draft: str, batch: int, dtype: str, split: str) -> str:
+    import jax
+    machine = f"{platform.machine()} {platform.processor()} {os.cpu_count()} {jax.__version__}"
+    return hashlib.sha1(f"{machine}|{target}|{draft}|{batch}|{dtype}|{split}".encode()
+                        ).hexdigest()[:16]
+
+
+def store_path(cache_dir: Path | None = None) -> Path:
+    from ssd_jax.loading.packaged import DEFAULT_CACHE
+    return Path(cache_dir or DEFAULT_CACHE) / "autotune.json"
+
+
+def pair_key(target: str, draft: str) -> str:
+    return f"{target}|{draft}"
+
+
+class TuneStore:
+    """The JSON file of measured costs and per-pair acceptance."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def _read(self) -> dict:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _write(self, data: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, self.path)
+
+    def costs(self, key: str) -> StepCosts | None:
+        entry = self._read().get("costs", {}).get(key)
+        if entry is None:
+            return None
+        return StepCosts({int(t): s for t, s in entry["target"].items()},
+                         {int(t): s for t, s in entry["draft"].items()})
+
+    def save_costs(self, key: str, costs: StepCosts, note: str) -> None:
+        data = self._read()
+        data.setdefault("costs", {})[key] = dict(asdict(costs), note=note)
+        self._write(data)
+
+    def acceptance(self, pair: str) -> tuple[float, float]:
+        entry = self._read().get("pairs", {}).get(pair, {})
+        return entry.get("a", PRIOR_A), entry.get("r", PRIOR_R)
+
+    def observe(self, pair: str, a: float, r: float | None = None, weight: float = 0.5) -> None:
+        """Blend a run's acceptance into the stored one (runs vary by prompt)."""
+        data = self._read()
+        entry = data.setdefault("pairs", {}).setdefault(pair, {})
+        old_a = entry.get("a")
+        entry["a"] = a if old_a is None else (1 - weight) * old_a + weight * a
+        if r is not None:
+            entry["r"] = r
+        self._write(data)

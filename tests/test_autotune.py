@@ -1,0 +1,88 @@
+"""Automatic speculation settings: the cost model's choices, the store, and an engine run that
+chooses its own K and budget and stays exact."""
+import numpy as np
+import pytest
+
+from ssd_jax import autotune
+from ssd_jax.autotune import StepCosts, TuneStore, choose, hit_rate, predict
+
+
+def _costs(verify_per_token: float, draft_step: float, draft_per_token: float) -> StepCosts:
+    target = {t: 0.1 * (1 + verify_per_token * (t - 1)) for t in autotune.TARGET_TOKENS}
+    draft = {t: draft_step * (1 + draft_per_token * (t - 1)) for t in autotune.DRAFT_TOKENS}
+    return StepCosts(target, draft)
+
+
+def test_hit_rate_grows_with_branches_and_acceptance():
+    fans = [np.array(f) for f in ([1, 1, 1], [2, 2, 2], [3, 3, 3])]
+    rates = [hit_rate(0.8, 1.5, f) for f in fans]
+    assert rates[0] < rates[1] < rates[2] < 1
+    assert hit_rate(0.9, 1.5, fans[1]) > hit_rate(0.5, 1.5, fans[1])
+    assert hit_rate(0.8, 1.5, np.array([0, 0, 3])) < hit_rate(0.8, 1.5, np.array([1, 1, 1]))
+
+
+def test_predictions_follow_the_speed_model_by_hand():
+    """K=1, M=2, a=0.5, r=1, costs chosen so every term is easy to compute by hand."""
+    costs = StepCosts({1: 0.1, 2: 0.2}, {1: 0.05, 2: 0.05, 3: 0.05})
+    got = predict(costs, 1, 2, a=0.5, r=1.0, batch=1)
+    # Fan-out of M=2 over two outcomes of equal weight: [1, 1]. P(0) = P(1) = 0.5.
+    assert got["fanout"] == [1, 1]
+    p = 0.5 * (1 - 2 ** -1) + 0.5 * (1 - 0.5 * 1 ** -1)  # 0.25 + 0.25
+    e = 0.5 * 1 + 0.5 * 2
+    t_v, t_build, t_b = 0.2, 0.05 + 0.05, 0.05  # glue over K+1=2, one tree step of M=2
+    den = p * max(1, t_build / t_v) + (1 - p) * (1 + t_b / t_v)
+    assert got["hit_rate"] == pytest.approx(p)
+    assert got["ssd"] == pytest.approx(e / (t_v * den))
+    assert got["sd"] == pytest.approx(e / (0.05 + 0.2))
+    assert got["ar"] == pytest.approx(10.0)
+
+
+def test_choice_follows_the_costs():
+    # A free draft and flat verification: speculate as far as measured.
+    cheap = choose(_costs(0.0, 1e-4, 0.0), a=0.9, r=2.0)
+    assert cheap.k == autotune.K_MAX
+    # A draft step costing 60% of a target step whose tree steps grow with branches, and a
+    # verification that doubles by K+1=5: short speculation, few branches.
+    dear = choose(_costs(0.25, 0.06, 0.15), a=0.85, r=2.0)
+    assert dear.k <= 2 and dear.budget <= 3 * (dear.k + 1)
+    assert dear.tok_s["ssd"] >= max(predict(_costs(0.25, 0.06, 0.15), k, m, a=0.85, r=2.0,
+                                            batch=1)["ssd"]
+                                    for k in (1, 2, 3, 4) for m in range(k + 1, 4 * (k + 1) + 1))
+    sd = choose(_costs(0.25, 0.06, 0.15), a=0.85, r=2.0, mode="sd")
+    assert sd.tok_s["sd"] == max(predict(_costs(0.25, 0.06, 0.15), k, k + 1, a=0.85, r=2.0,
+                                         batch=1)["sd"] for k in (1, 2, 3, 4))
+
+
+def test_store_keeps_costs_and_blends_acceptance(tmp_path):
+    store = TuneStore(tmp_path / "autotune.json")
+    costs = _costs(0.1, 0.01, 0.1)
+    assert store.costs("k") is None and store.acceptance("p") == (autotune.PRIOR_A,
+                                                                  autotune.PRIOR_R)
+    store.save_costs("k", costs, note="test")
+    assert store.costs("k") == costs
+    store.observe("p", 0.9)
+    store.observe("p", 0.5)
+    assert store.acceptance("p")[0] == pytest.approx(0.7)
+
+
+def test_engine_chooses_settings_and_stays_exact(tiny_llama, tmp_path):
+    """SpecConfig() measures costs (single driver), picks K/M, reports them, equals AR."""
+    from tests.conftest import save_noisy_draft
+    from ssd_jax import LLM, EngineConfig, SamplingParams
+    from ssd_jax.loading import load
+    save_noisy_draft(tiny_llama[1], tmp_path / "draft")
+    target, _, _ = load(tiny_llama[0])
+    draft, _, _ = load(tmp_path / "draft")
+    llm = LLM(target, draft=draft, cache_dir=tmp_path,
+              engine=EngineConfig(max_batch=2, max_seq_len=128, prefill_bucket=16,
+                                  driver="single"))
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    p = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    ar = [o.token_ids for o in llm.generate(prompts, p, mode="ar")]
+    for mode in ("sd", "ssd"):
+        out = llm.generate(prompts, p, mode=mode)
+        assert [o.token_ids for o in out] == ar
+        s = out[0].metrics.settings
+        assert s["automatic"] and 1 <= s["k"] <= autotune.K_MAX and s["predicted_tok_s"] > 0
+    assert (tmp_path / "autotune.json").exists()
+    assert TuneStore(tmp_path / "autotune.json").acceptance("model|model")[0] != autotune.PRIOR_A
