@@ -4,10 +4,10 @@ use: F32 norms and q/k/v biases, Q8_0, Q5_0, Q4_K and Q6_K weights.
 Why not only transformers as the oracle: for qwen2, transformers' GGUF loader dequantises with
 gguf-py, the very code ssd_jax calls, so a wrong block decoder would fool both. Here the K-quant
 blocks are packed from chosen fields (scales, mins, quants) whose float values are known by
-construction, and the Q8_0/Q5_0 blocks (quantised by gguf-py) are read back by a numpy decoder
-written from ggml's block layouts (ggml-common.h, dequantize_row_* in ggml-quants.c). Logits are
-then compared to a transformers Qwen2 built from those independent weights, and to transformers
-loading the same file (its config, tensor naming and tokenizer readers are its own).
+construction, and the Q8_0/Q5_0 blocks (quantised by gguf-py) are read back by the numpy decoder
+of tests/oracles.py, written from ggml's block layouts. Logits are then compared to a
+transformers Qwen2 built from those independent weights, and to transformers loading the same
+file (its config, tensor naming and tokenizer readers are its own).
 """
 import gguf
 import jax.numpy as jnp
@@ -19,9 +19,8 @@ from ssd_jax.loading import load
 from ssd_jax.loading.weights import named_weights
 from ssd_jax.models import causal_mask
 from ssd_jax.runner import ModelRunner
+from tests.oracles import BLOCKS, QK_K, Q, dequantize, f16
 
-Q = gguf.GGMLQuantizationType
-QK_K = 256  # elements per K-quant super-block; Q8_0 and Q5_0 blocks hold 32
 
 # Tiny shapes as in conftest's TINY_QWEN2, widened so every row is a whole K-quant super-block.
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 256, 512, 2, 4, 2
@@ -46,76 +45,6 @@ HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
 CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
                  "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}"
                  "{{ '<|im_start|>assistant\n' }}{% endif %}")
-
-
-# --- an independent decoder of ggml's block layouts -----------------------------------------
-
-def _f16(raw: np.ndarray) -> np.ndarray:
-    """[n, 2] little-endian half-float bytes -> [n] float32."""
-    return np.ascontiguousarray(raw).view(np.float16)[:, 0].astype(np.float32)
-
-
-def _dequant_q8_0(b):  # block_q8_0: half d; int8 qs[32]
-    return _f16(b[:, 0:2])[:, None] * b[:, 2:34].view(np.int8).astype(np.float32)
-
-
-def _dequant_q5_0(b):  # block_q5_0: half d; uint8 qh[4] (32 fifth bits); uint8 qs[16]
-    d = _f16(b[:, 0:2])[:, None]
-    qh = np.ascontiguousarray(b[:, 2:6]).view("<u4").astype(np.int64)  # [n, 1]
-    qs = b[:, 6:22].astype(np.int64)
-    j = np.arange(16)
-    x0 = ((qs & 0x0F) | (((qh >> j) << 4) & 0x10)) - 16  # element j
-    x1 = ((qs >> 4) | ((qh >> (j + 12)) & 0x10)) - 16  # element j + 16
-    return d * np.concatenate([x0, x1], axis=1).astype(np.float32)
-
-
-def _scale_min_k4(j: int, s: np.ndarray):  # ggml's get_scale_min_k4 over [n, 12] scale bytes
-    s = s.astype(np.int64)
-    if j < 4:
-        return s[:, j] & 63, s[:, j + 4] & 63
-    return ((s[:, j + 4] & 0xF) | ((s[:, j - 4] >> 6) << 4),
-            (s[:, j + 4] >> 4) | ((s[:, j] >> 6) << 4))
-
-
-def _dequant_q4_k(b):  # block_q4_K: half d, dmin; uint8 scales[12]; uint8 qs[128]
-    d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
-    scales, qs = b[:, 4:16], b[:, 16:144].astype(np.int64)
-    out = []
-    for c in range(4):  # 64 elements per chunk: low nibbles, then high nibbles of 32 bytes
-        q = qs[:, 32 * c:32 * c + 32]
-        for sub, nib in ((2 * c, q & 0xF), (2 * c + 1, q >> 4)):
-            sc, m = _scale_min_k4(sub, scales)
-            out.append(d * sc[:, None] * nib - dmin * m[:, None])
-    return np.concatenate(out, axis=1).astype(np.float32)
-
-
-def _dequant_q6_k(b):  # block_q6_K: uint8 ql[128], qh[64]; int8 scales[16]; half d
-    ql, qh = b[:, 0:128].astype(np.int64), b[:, 128:192].astype(np.int64)
-    sc = b[:, 192:208].view(np.int8).astype(np.float32)
-    d = _f16(b[:, 208:210])[:, None]
-    y = np.empty((b.shape[0], QK_K), np.float32)
-    for h in range(2):  # two halves of 128 elements
-        lo, hi, s = ql[:, 64 * h:64 * h + 64], qh[:, 32 * h:32 * h + 32], sc[:, 8 * h:8 * h + 8]
-        l = np.arange(32)
-        q1 = ((lo[:, :32] & 0xF) | (((hi >> 0) & 3) << 4)) - 32
-        q2 = ((lo[:, 32:] & 0xF) | (((hi >> 2) & 3) << 4)) - 32
-        q3 = ((lo[:, :32] >> 4) | (((hi >> 4) & 3) << 4)) - 32
-        q4 = ((lo[:, 32:] >> 4) | (((hi >> 6) & 3) << 4)) - 32
-        for k, qk in enumerate((q1, q2, q3, q4)):
-            y[:, 128 * h + 32 * k + l] = d * s[:, 2 * k + l // 16] * qk
-    return y
-
-
-BLOCKS = {Q.Q8_0: (32, 34, _dequant_q8_0), Q.Q5_0: (32, 22, _dequant_q5_0),
-          Q.Q4_K: (QK_K, 144, _dequant_q4_k), Q.Q6_K: (QK_K, 210, _dequant_q6_k)}
-
-
-def dequantize(raw: np.ndarray, qtype) -> np.ndarray:
-    """[rows, bytes] uint8 blocks -> [rows, cols] float32, for Q8_0/Q5_0/Q4_K/Q6_K."""
-    elems, nbytes, fn = BLOCKS[Q(qtype)]
-    raw = np.ascontiguousarray(raw, dtype=np.uint8)
-    rows = raw.shape[0]
-    return fn(raw.reshape(-1, nbytes)).reshape(rows, -1)
 
 
 # --- K-quant blocks packed from chosen fields --------------------------------------------------
@@ -174,7 +103,7 @@ def _quantised(rng, qtype, rows: int, cols: int):
     # The decoder is the oracle here: it must give back the floats gguf-py was asked to
     # quantise, to within one quantisation step d (Q5_0 clips a block's extreme to 15*d, one
     # step off, and d is rounded to fp16: hence 1.01); a misread layout is off by ~the weights.
-    step = np.abs(_f16(raw.reshape(-1, BLOCKS[qtype][1])[:, :2]))
+    step = np.abs(f16(raw.reshape(-1, BLOCKS[qtype][1])[:, :2]))
     err = np.abs(values - w).reshape(-1, 32).max(axis=1)
     assert (err <= 1.01 * step).all(), f"{qtype.name} decoder disagrees with its source floats"
     return raw, values

@@ -2,7 +2,7 @@
 transformers reading the same GGUF files: logits, greedy continuations, tokenizer and template.
 
 `make test-slow` only. transformers dequantises qwen2 GGUFs with gguf-py, as ssd_jax does, so
-the weights are also checked against test_gguf's numpy decoder of ggml's block layouts.
+the weights are also checked against the numpy decoder of ggml's block layouts (tests/oracles.py).
 Memory: transformers' references are computed first and its model freed before ours is loaded,
 one model at a time (the 1.5B in fp32 is ~6 GB per framework, more while loading).
 """
@@ -232,8 +232,9 @@ def test_greedy_continuation_matches_transformers(pair):
 
 def test_weights_match_independent_dequantisation(pair):
     """The tensors of the first and last layers, the embedding, the head and the first two
-    tensors of every quantised type, decoded by test_gguf's numpy decoder: equal to ours."""
-    from test_gguf import BLOCKS, dequantize
+    tensors of every quantised type, decoded by the numpy decoder of tests/oracles.py: equal to
+    ours."""
+    from tests.oracles import BLOCKS, dequantize
     reader = gguf_loader.open_gguf(pair["path"])
     last = pair["llm"].model.config.num_layers - 1
     whole = ("blk.0.", f"blk.{last}.", "token_embd.", "output.", "output_norm.")

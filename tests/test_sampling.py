@@ -5,14 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import scipy.stats
 from beartype import beartype
 from jaxtyping import jaxtyped
 
 from ssd_jax import sampling
-
-P_MIN = 1e-3  # chi-square p-value below which a sampler is declared wrong (fixed seeds)
-
+from tests.oracles import P_MIN, chi2_pvalue
 
 def checked(fn):
     """Check the jaxtyping shape annotations at call time."""
@@ -103,19 +100,6 @@ def test_process_probs_broadcasts_row_settings_over_middle_axes():
         for s in range(3):
             np.testing.assert_allclose(
                 got[b, s], np_process(np.asarray(rolled[b, s]), tb, kb, pb), atol=2e-6)
-
-
-def chi2_pvalue(counts, probs):
-    """Goodness of fit of category counts to probs; drawing an impossible category gives 0."""
-    counts, probs = np.asarray(counts, np.float64), np.asarray(probs, np.float64)
-    if counts[probs == 0].sum() > 0:
-        return 0.0
-    expected = probs / probs.sum() * counts.sum()
-    keep = expected >= 5  # merge sparse cells: the chi-square approximation needs ~5 per cell
-    obs = np.append(counts[keep], counts[~keep].sum())
-    exp = np.append(expected[keep], expected[~keep].sum())
-    obs, exp = obs[exp > 0], exp[exp > 0]
-    return scipy.stats.chisquare(obs, exp).pvalue
 
 
 def test_sample_frequencies_match_probs():

@@ -1,15 +1,13 @@
 """Speculative decoding: greedy SD equals greedy AR token for token; sampled SD follows the
 target distribution (exact enumeration on a tiny vocabulary); clear errors."""
-import itertools
-
 import numpy as np
 import pytest
-from scipy import stats
 
 from ssd_jax import LLM, EngineConfig, SamplingParams
 from ssd_jax.config import SpecConfig
 from ssd_jax.loading import load
 from tests.conftest import make_hf_model
+from tests.oracles import chi2_pvalue, exact_sequence_probs
 
 ENGINE = EngineConfig(max_batch=4, max_seq_len=256, prefill_bucket=16)
 
@@ -77,30 +75,6 @@ def vocab6(tmp_path_factory):
     return load(tp)[0], load(dp)[0], t
 
 
-def _exact_sequence_probs(hf_model, prompt, temperature, top_p, n_out=N_OUT):
-    """P(first n_out tokens) under the target, by enumerating every sequence: one batched
-    transformers forward over all V^n_out continuations, top-p applied in numpy."""
-    import torch
-    seqs = list(itertools.product(range(V), repeat=n_out))
-    ids = torch.tensor([prompt + list(s) for s in seqs])
-    with torch.no_grad():
-        logits = hf_model(ids).logits.double().numpy()[:, len(prompt) - 1:-1]  # [N, n_out, V]
-    p = np.exp(logits / temperature - (logits / temperature).max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    if top_p < 1:
-        order = np.argsort(-p, axis=-1, kind="stable")
-        sorted_p = np.take_along_axis(p, order, -1)
-        above = np.cumsum(sorted_p, -1) - sorted_p
-        keep_sorted = above < top_p
-        keep = np.zeros_like(keep_sorted)
-        np.put_along_axis(keep, order, keep_sorted, -1)
-        p = np.where(keep, p, 0)
-        p /= p.sum(-1, keepdims=True)
-    toks = np.array(seqs)
-    per_tok = np.take_along_axis(p, toks[..., None], -1)[..., 0]
-    return dict(zip(seqs, per_tok.prod(-1)))
-
-
 def _sd_sample_counts(target, draft, prompt, temperature, top_p, n_samples, wrong_rule=None,
                       monkeypatch=None):
     llm = LLM(target, draft=draft, spec=SpecConfig(k=2), engine=EngineConfig(
@@ -116,35 +90,21 @@ def _sd_sample_counts(target, draft, prompt, temperature, top_p, n_samples, wron
     return counts
 
 
-def _chi2_pvalue(counts, probs):
-    # A sequence the target cannot produce is a failure outright, not a count to pool.
-    if any(probs.get(s, 0.0) == 0.0 for s, c in counts.items() if c):
-        return 0.0
-    keys = sorted((s for s in probs if probs[s] > 0), key=lambda s: -probs[s])
-    n = sum(counts.values())
-    exp = np.array([probs[s] * n for s in keys])
-    obs = np.array([counts.get(s, 0) for s in keys], float)
-    big = exp >= 5  # pool the rare sequences so the chi-square approximation holds
-    if (~big).any():
-        obs = np.append(obs[big], obs[~big].sum())
-        exp = np.append(exp[big], exp[~big].sum())
-    exp *= obs.sum() / exp.sum()
-    return stats.chisquare(obs, exp).pvalue
-
-
 def test_chi2_helper_rejects_impossible_sequences():
     probs = {(0,): 0.5, (1,): 0.5, (2,): 0.0}
-    assert _chi2_pvalue({(0,): 500, (1,): 500}, probs) > 0.5
-    assert _chi2_pvalue({(0,): 500, (1,): 499, (2,): 1}, probs) == 0.0  # pooling would hide it
+    assert chi2_pvalue({(0,): 500, (1,): 500}, probs) > 0.5
+    assert chi2_pvalue({(0,): 500, (1,): 499, (2,): 1}, probs) == 0.0  # pooling would hide it
+    assert chi2_pvalue({(0,): 500, (1,): 499, (3,): 1}, probs) == 0.0  # absent from the law
+    assert chi2_pvalue([500, 499, 1], [0.5, 0.5, 0.0]) == 0.0  # the array form as strict
 
 
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.8, 0.9)])
 def test_sampled_sd_matches_target_distribution(vocab6, temperature, top_p):
     target, draft, hf_target = vocab6
     prompt = [1, 2, 3]
-    probs = _exact_sequence_probs(hf_target, prompt, temperature, top_p)
+    probs = exact_sequence_probs(hf_target, prompt, temperature, top_p, N_OUT)
     counts = _sd_sample_counts(target, draft, prompt, temperature, top_p, 3200)
-    assert _chi2_pvalue(counts, probs) > 1e-3
+    assert chi2_pvalue(counts, probs) > 1e-3
 
 
 def test_distribution_test_has_teeth(vocab6, monkeypatch):
@@ -157,10 +117,10 @@ def test_distribution_test_has_teeth(vocab6, monkeypatch):
     import jax
     jax.clear_caches()
     prompt = [1, 2, 3]
-    probs = _exact_sequence_probs(hf_target, prompt, 1.0, 1.0)
+    probs = exact_sequence_probs(hf_target, prompt, 1.0, 1.0, N_OUT)
     counts = _sd_sample_counts(target, draft, prompt, 1.0, 1.0, 3200)
     jax.clear_caches()
-    assert _chi2_pvalue(counts, probs) < 1e-3
+    assert chi2_pvalue(counts, probs) < 1e-3
 
 
 def test_bad_spec_errors(tiny_target, tiny_draft, tmp_path):

@@ -13,7 +13,7 @@ from ssd_jax.models import causal_mask, commit
 from ssd_jax.runner import ModelRunner, RowSampling
 from ssd_jax.sd import SpecState
 from tests.conftest import make_hf_model, save_noisy_draft
-from tests.test_sd import _chi2_pvalue, _exact_sequence_probs
+from tests.oracles import chi2_pvalue, exact_sequence_probs
 
 N_OUT = 4  # K=1: every row needs two or more rounds, so cache hits decide later tokens
 
@@ -91,11 +91,11 @@ def test_sampled_ssd_matches_target_distribution(vocab6, k, c, backup):
     """K=2: tokens after a hit come from tree step 1 (its own Saguaro set and q'), so later
     tokens depend on the tree's second-step proposals, not only on forks."""
     target, draft, hf_target = vocab6
-    probs = _exact_sequence_probs(hf_target, [1, 2, 3], 1.0, 1.0, N_OUT)
+    probs = exact_sequence_probs(hf_target, [1, 2, 3], 1.0, 1.0, N_OUT)
     counts, (hits, rounds) = _ssd_counts(target, draft,
                                          SpecConfig(k=k, c=c, backup=backup, budget=4), 3200)
     assert 0.1 * rounds < hits < rounds
-    assert _chi2_pvalue(counts, probs) > 1e-3
+    assert chi2_pvalue(counts, probs) > 1e-3
 
 
 def test_sampled_ssd_with_truncated_vocab_draft(vocab6, tmp_path):
@@ -112,18 +112,18 @@ def test_sampled_ssd_with_truncated_vocab_draft(vocab6, tmp_path):
                       num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
     save(Transformer(cfg, rngs=nnx.Rngs(0)), None, tmp_path / "d",
          extra={"vocab_map": vm.to_dict()})
-    probs = _exact_sequence_probs(hf_target, [1, 2, 3], 1.0, 1.0, N_OUT)
+    probs = exact_sequence_probs(hf_target, [1, 2, 3], 1.0, 1.0, N_OUT)
     counts, (hits, rounds) = _ssd_counts(target, str(tmp_path / "d"),
                                          SpecConfig(k=2, c=0.5, budget=4), 3200)
     assert 0 < hits < rounds
-    assert _chi2_pvalue(counts, probs) > 1e-3
+    assert chi2_pvalue(counts, probs) > 1e-3
 
 
 def test_sampled_ssd_with_top_p(vocab6):
     target, draft, hf_target = vocab6
-    probs = _exact_sequence_probs(hf_target, [1, 2, 3], 0.8, 0.9, N_OUT)
+    probs = exact_sequence_probs(hf_target, [1, 2, 3], 0.8, 0.9, N_OUT)
     counts, _ = _ssd_counts(target, draft, SpecConfig(k=1, c=0.5, budget=4), 3200, 0.8, 0.9)
-    assert _chi2_pvalue(counts, probs) > 1e-3
+    assert chi2_pvalue(counts, probs) > 1e-3
 
 
 @pytest.mark.parametrize("backup", ["neural", "fast"])
@@ -134,10 +134,10 @@ def test_ssd_distribution_test_has_teeth(vocab6, monkeypatch, backup):
     target, draft, hf_target = vocab6
     monkeypatch.setattr(verify_mod, "_recovery_weights", lambda p_k, q_k, s_k, pm: p_k)
     jax.clear_caches()
-    probs = _exact_sequence_probs(hf_target, [1, 2, 3], 1.0, 1.0, N_OUT)
+    probs = exact_sequence_probs(hf_target, [1, 2, 3], 1.0, 1.0, N_OUT)
     counts, _ = _ssd_counts(target, draft, SpecConfig(k=1, backup=backup, budget=4), 3200)
     jax.clear_caches()
-    assert _chi2_pvalue(counts, probs) < 1e-3
+    assert chi2_pvalue(counts, probs) < 1e-3
 
 
 # ---------------------------------------------------------------- tree decode and fork

@@ -19,7 +19,7 @@ from jaxtyping import jaxtyped
 
 from ssd_jax import sampling
 from ssd_jax import verify as verify_mod
-from test_sampling import P_MIN, chi2_pvalue
+from tests.oracles import P_MIN, chi2_pvalue
 
 V, K, N = 4, 2, 100_000
 
