@@ -1,7 +1,8 @@
 """Multi-host start-up: join `jax.distributed` when the environment describes a multi-process job.
 
-Every host of a pod or cluster runs the same command; `initialize()` (called by `LLM(...)`, the
-`python -m ssd_jax` job, and `ssd-bench` before it touches a device) reads, in order:
+Every host of a pod or cluster runs the same command; `initialize()` (called explicitly by the
+`python -m ssd_jax` job, by `ssd-bench`, and by user code first thing, before anything touches a
+device; `LLM(...)` does not call it) reads, in order:
 
   SSD_JAX_DISTRIBUTED=0                       never initialise (single-host runs, debugging)
   SSD_JAX_COORDINATOR / JAX_COORDINATOR_ADDRESS  host:port of process 0, with

@@ -174,6 +174,20 @@ def test_distributed_start_up_reads_the_environment():
         detect({**env, "SSD_JAX_NUM_PROCESSES": "2", "SSD_JAX_PROCESS_ID": "2"})
 
 
+def test_llm_leaves_multihost_start_up_to_the_caller(tiny_llama, monkeypatch):
+    """Start-up is an explicit call: LLM(...) ignores a multi-host environment (joining from
+    inside it, after JAX was used, could only fail)."""
+    import jax
+    from ssd_jax import LLM, EngineConfig
+    jax.numpy.zeros(1).block_until_ready()  # JAX in use, as in any program that built a model
+    for name, value in (("SSD_JAX_COORDINATOR", "127.0.0.1:1"), ("SSD_JAX_NUM_PROCESSES", "2"),
+                        ("SSD_JAX_PROCESS_ID", "1")):
+        monkeypatch.setenv(name, value)
+    llm = LLM(tiny_llama[0], engine=EngineConfig(max_batch=1, max_seq_len=64, prefill_bucket=8))
+    assert llm.config.vocab_size == 128
+    assert not jax.distributed.is_initialized() and jax.process_count() == 1
+
+
 MULTIHOST = textwrap.dedent('''
     import json
     import os
