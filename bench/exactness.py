@@ -6,8 +6,6 @@ cache both hits and misses (equal outputs then mean something).
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 import time
 
 PROMPTS = [[5, 9, 11], list(range(20, 39)), [7] * 8, [3, 1, 4, 1, 5, 9, 2, 6]]
@@ -51,25 +49,6 @@ def random_model(config, seed: int, base=None, noise: float = 0.0):
     nnx.update(model, jax.tree_util.tree_unflatten(
         treedef, [draw(k, p, x) for k, (p, x) in zip(keys, flat)]))
     return model
-
-
-@contextlib.contextmanager
-def interpreted_kernel(dry_run: bool):
-    """ModelConfig(attention_backend="pallas") has no lowering on CPU, so the dry run points
-    the model's one attention-selection hook at the interpreted GPU lowering (same program)."""
-    if not dry_run:
-        yield
-        return
-    from pallas_kernels.tree_attention import tree_attention
-    from ssd_jax.models import transformer
-    original = transformer.select_attention
-    kernel = functools.partial(tree_attention, backend="gpu", interpret=True)
-    transformer.select_attention = (
-        lambda config: kernel if config.attention_backend == "pallas" else original(config))
-    try:
-        yield
-    finally:
-        transformer.select_attention = original
 
 
 def speculation(dry_run: bool, n_new: int) -> list[dict]:
@@ -117,7 +96,9 @@ def backends(dry_run: bool, n_new: int) -> dict:
     from ssd_jax.runner import ModelRunner
     config = tiny_config("bfloat16", dry_run)
     xla = random_model(config.replace(attention_backend="jnp"), 2)
-    pallas = Transformer(config.replace(attention_backend="pallas"), rngs=nnx.Rngs(2))
+    # The dry run has no Pallas lowering (CPU): the kernel's GPU program runs interpreted.
+    kernel = "pallas-interpret" if dry_run else "pallas"
+    pallas = Transformer(config.replace(attention_backend=kernel), rngs=nnx.Rngs(2))
     nnx.update(pallas, nnx.state(xla, nnx.Param))
     runners = {"xla": ModelRunner(xla), "pallas": ModelRunner(pallas)}
     rng = np.random.default_rng(0)

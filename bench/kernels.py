@@ -77,12 +77,15 @@ def run(args: argparse.Namespace):
     import numpy as np
 
     from pallas_kernels.tree_attention import tree_attention
-    from ssd_jax.models.attention import attend
+    from ssd_jax.models.attention import attend, select_attention
 
     Hq, Hkv = args.heads
     D = args.head_dim
-    kernel = jax.jit(functools.partial(tree_attention, backend=args.backend,
-                                       interpret=args.interpret, block_kv=args.block_kv))
+    if args.backend == "auto":  # the lowering the models would run here
+        kernel = select_attention("pallas-interpret" if args.interpret else "pallas")
+    else:
+        kernel = functools.partial(tree_attention, backend=args.backend, interpret=args.interpret)
+    kernel = jax.jit(functools.partial(kernel, block_kv=args.block_kv))
     reference = jax.jit(attend)
     rng = np.random.default_rng(0)
     key = jax.random.key(0)

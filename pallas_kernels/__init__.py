@@ -1,4 +1,6 @@
-"""Pallas kernels: tree attention (committed prefix + masked new tokens) for GPU and TPU."""
-from pallas_kernels.tree_attention import select_attention, tree_attention
+"""Pallas kernels: tree attention (committed prefix + masked new tokens) for GPU and TPU.
 
-__all__ = ["select_attention", "tree_attention"]
+Which attention a model runs is decided in one place, `ssd_jax.models.attention.select_attention`."""
+from pallas_kernels.tree_attention import tree_attention
+
+__all__ = ["tree_attention"]

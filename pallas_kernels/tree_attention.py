@@ -21,7 +21,6 @@ in the reference; the reference averages over the stale cache too, so the two di
 from __future__ import annotations
 
 import functools
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,9 +30,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Bool, Float, Int
 
-from ssd_jax.models.attention import MASK_VALUE, attend
+from ssd_jax.models.attention import MASK_VALUE
 
-BACKENDS = ("auto", "gpu", "tpu")
+LOWERINGS = ("gpu", "tpu")
 # Per-lowering default KV block: Triton keeps a [block_kv, D] K and V tile plus the score tile in
 # registers/shared memory, so small blocks; Mosaic DMAs whole blocks into VMEM, where bigger blocks
 # amortise the ~0.35 us per-grid-step overhead.
@@ -277,22 +276,6 @@ def _tpu_call(qr, cache_k, cache_v, prefix_len, nk, nv, rmask, *, scale, block_k
     )(prefix_len, qr, cache_k, cache_v, nk, nv, rmask)
 
 
-def _resolve_backend(backend: str, interpret: bool) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is unknown: use one of {BACKENDS}")
-    if backend != "auto":
-        return backend
-    platform = jax.default_backend()
-    if platform in ("gpu", "cuda", "rocm"):
-        return "gpu"
-    if platform == "tpu":
-        return "tpu"
-    if interpret:  # On CPU the GPU program interprets far faster than the TPU simulator.
-        return "gpu"
-    raise ValueError(f"no Pallas lowering for platform {platform!r}: pass interpret=True, or "
-                     f"use ssd_jax.models.attention.attend (select_attention does this)")
-
-
 @functools.partial(jax.jit,
                    static_argnames=("scale", "backend", "interpret", "block_kv", "kv_splits"))
 def tree_attention(
@@ -305,15 +288,16 @@ def tree_attention(
     mask: Bool[Array, "B T U"],
     *,
     scale: float | None = None,
-    backend: str = "auto",
+    backend: str,
     interpret: bool = False,
     block_kv: int | None = None,
     kv_splits: int | None = None,
 ) -> Float[Array, "B T Hq D"]:
-    """`attend` as one Pallas kernel. backend: "gpu" (Triton), "tpu" (Mosaic) or "auto" (from
-    jax.default_backend()); interpret=True runs either lowering on CPU. block_kv: cache slots per
-    step (default per backend, DEFAULT_BLOCK_KV). kv_splits (GPU only): programs the cache is
-    split across per (row, head), merged by log-sum-exp; default from the grid size."""
+    """`attend` as one Pallas kernel. backend: the lowering, "gpu" (Triton) or "tpu" (Mosaic),
+    chosen by the caller (for the models: `ssd_jax.models.attention.select_attention`);
+    interpret=True runs either lowering on CPU. block_kv: cache slots per step (default per
+    backend, DEFAULT_BLOCK_KV). kv_splits (GPU only): programs the cache is split across per
+    (row, head), merged by log-sum-exp; default from the grid size."""
     B, T, Hq, D = q.shape
     Hkv, U = cache_k.shape[1], new_k.shape[1]
     if Hq % Hkv:
@@ -321,7 +305,8 @@ def tree_attention(
                          f"needs whole groups")
     if mask.shape != (B, T, U):
         raise ValueError(f"mask has shape {mask.shape}, expected (B, T, U)={(B, T, U)}")
-    backend = _resolve_backend(backend, interpret)
+    if backend not in LOWERINGS:
+        raise ValueError(f"backend={backend!r} is unknown: use one of {LOWERINGS}")
     block_kv = DEFAULT_BLOCK_KV[backend] if block_kv is None else block_kv
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else scale
@@ -335,20 +320,3 @@ def tree_attention(
                prefix_len.astype(jnp.int32), nk, nv, rmask,
                scale=scale, block_kv=block_kv, kv_splits=kv_splits, interpret=interpret)
     return out.reshape(B, Hkv, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
-
-
-def select_attention(backend_name: str, platform: str) -> Callable[..., Array]:
-    """The attention implementation for `ModelConfig.attention_backend` on `platform`
-    (`jax.default_backend()`): the Pallas kernel on GPU/TPU for "auto"/"pallas", the jnp
-    reference on CPU for "auto", and the reference anywhere for "jnp"."""
-    if backend_name not in ("auto", "jnp", "pallas"):
-        raise ValueError(f"attention_backend={backend_name!r}: use 'auto', 'jnp' or 'pallas'")
-    if backend_name == "jnp":
-        return attend
-    kernel_platform = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(platform)
-    if kernel_platform is not None:
-        return functools.partial(tree_attention, backend=kernel_platform)
-    if backend_name == "pallas":
-        raise ValueError(f"attention_backend='pallas' needs a GPU or TPU, not {platform!r}: use "
-                         f"'auto' or 'jnp' (Pallas only interprets on CPU, ~100x slower)")
-    return attend

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.tree_attention import select_attention, tree_attention
-from ssd_jax.models.attention import attend
+from pallas_kernels.tree_attention import tree_attention
+from ssd_jax.models.attention import attend, select_attention
 
 INTERPRET = os.environ.get("SSD_PALLAS_INTERPRET", "1") != "0"
 PLATFORM = {"cuda": "gpu", "rocm": "gpu"}.get(jax.default_backend(), jax.default_backend())
@@ -170,9 +170,13 @@ def test_select_attention_picks_kernel_on_accelerators(platform):
 def test_select_attention_cpu_and_errors():
     assert select_attention("auto", "cpu") is attend
     assert select_attention("jnp", "cpu") is attend
+    for platform in ("cpu", "gpu", "tpu"):  # the GPU program, interpreted, wherever asked
+        fn = select_attention("pallas-interpret", platform)
+        assert isinstance(fn, functools.partial) and fn.func is tree_attention
+        assert fn.keywords == {"backend": "gpu", "interpret": True}
     with pytest.raises(ValueError, match="needs a GPU or TPU"):
         select_attention("pallas", "cpu")
-    with pytest.raises(ValueError, match="'auto', 'jnp' or 'pallas'"):
+    with pytest.raises(ValueError, match="'auto', 'jnp', 'pallas', 'pallas-interpret'"):
         select_attention("triton", "gpu")
 
 
@@ -188,10 +192,12 @@ def test_rejects_bad_arguments():
         tree_attention(*args, backend="tpu", interpret=True, block_kv=12)
 
 
-@pytest.mark.skipif(PLATFORM != "cpu", reason="checks what 'auto' means on CPU")
-def test_auto_backend_on_cpu():
+@pytest.mark.skipif(PLATFORM != "cpu", reason="checks what the selection gives on CPU")
+def test_selected_attention_on_cpu():
     args = make_inputs(Case("tree", 1, 3, 2, 1, 64, 16, (5,)))
-    out = jax.jit(functools.partial(tree_attention, interpret=True, block_kv=16))(*args)
-    np.testing.assert_allclose(out, jax.jit(attend)(*args), atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="no Pallas lowering for platform 'cpu'"):
-        tree_attention(*args)
+    want = jax.jit(attend)(*args)
+    assert select_attention() is attend  # "auto" on this platform
+    kernel = functools.partial(select_attention("pallas-interpret"), block_kv=16)
+    np.testing.assert_allclose(jax.jit(kernel)(*args), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="needs a GPU or TPU, not 'cpu'"):
+        select_attention("pallas")

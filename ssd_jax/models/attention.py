@@ -15,12 +15,20 @@ every call: 30 layers of SmolLM2 attention took 13.9 vs 6.8 ms at batch 1 (512 s
 and 329 vs 86 ms at batch 32 (256 slots).
 
 The Pallas kernel in `pallas_kernels/tree_attention.py` implements exactly this signature and is
-tested against this function.
+tested against this function; `select_attention` is the one place that picks between them.
 """
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
+
+from ssd_jax.config import ATTENTION_BACKENDS
+
+AttentionFn = Callable[..., Array]
 
 # A finite "minus infinity": a query row whose keys are all masked (a padding row) then yields a
 # harmless average instead of NaN, and NaNs never leak into real rows through later layers.
@@ -67,3 +75,25 @@ def causal_mask(batch: int, num_tokens: int) -> Bool[Array, "B T T"]:
     """Chain mask for prefill, AR steps and SD verification: token t sees new tokens 0..t."""
     m = jnp.tril(jnp.ones((num_tokens, num_tokens), dtype=bool))
     return jnp.broadcast_to(m, (batch, num_tokens, num_tokens))
+
+
+def select_attention(backend: str = "auto", platform: str | None = None) -> AttentionFn:
+    """The attention implementation for `ModelConfig.attention_backend` on `platform` (default
+    `jax.default_backend()`): "auto" is the Pallas kernel on GPU/TPU and `attend` elsewhere;
+    "jnp" is `attend` anywhere; "pallas" is the kernel (GPU/TPU only); "pallas-interpret" is the
+    kernel's GPU program interpreted, on any platform (CPU dry runs of the kernel path)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend={backend!r}: use one of {ATTENTION_BACKENDS}")
+    platform = jax.default_backend() if platform is None else platform
+    lowering = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(platform)
+    if backend == "jnp" or (backend == "auto" and lowering is None):
+        return attend
+    if backend == "pallas" and lowering is None:
+        raise ValueError(f"attention_backend='pallas' needs a GPU or TPU, not {platform!r}: use "
+                         f"'auto' or 'jnp', or 'pallas-interpret' for the kernel interpreted "
+                         f"(~100x slower)")
+    # Imported here: the Pallas modules (Triton, Mosaic) cost start-up time the CPU path skips.
+    from pallas_kernels.tree_attention import tree_attention
+    if backend == "pallas-interpret":  # the GPU program interprets far faster than the TPU one
+        return functools.partial(tree_attention, backend="gpu", interpret=True)
+    return functools.partial(tree_attention, backend=lowering)

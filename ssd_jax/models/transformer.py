@@ -9,7 +9,7 @@ layer weights was 2-3x slower for decode (platform notes).
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +17,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from ssd_jax.config import ModelConfig
-from ssd_jax.models.attention import attend
+from ssd_jax.models.attention import AttentionFn, select_attention
 from ssd_jax.models.rope import apply_rope, inverse_frequencies
 
 
@@ -78,9 +78,6 @@ def _linear(din: int, dout: int, dtype, rngs: nnx.Rngs, bias: bool = False) -> n
     return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype,
                       kernel_init=nnx.initializers.normal(0.02),
                       bias_init=nnx.initializers.normal(0.02), rngs=rngs)
-
-
-AttentionFn = Callable[..., Array]
 
 
 class Attention(nnx.Module):
@@ -145,16 +142,6 @@ class Block(nnx.Module):
         return x, k, v
 
 
-def select_attention(config: ModelConfig) -> AttentionFn:
-    """The jnp primitive on CPU, the Pallas tree-attention kernel on GPU/TPU (config may force)."""
-    platform = jax.default_backend()
-    if config.attention_backend == "jnp" or (config.attention_backend == "auto"
-                                             and platform not in ("gpu", "tpu")):
-        return attend
-    from pallas_kernels.tree_attention import select_attention as select_kernel
-    return select_kernel(config.attention_backend, platform)
-
-
 class Transformer(nnx.Module):
     """Returns fp32 logits and the new K/V of the T input tokens (the cache is read-only here)."""
 
@@ -187,7 +174,7 @@ class Transformer(nnx.Module):
         [B, T, U0 + T]. Only this call's K/V are returned."""
         inv_freq = jnp.asarray(inverse_frequencies(
             self.config.head_dim, self.config.rope_theta, self.config.rope_scaling))
-        attend_fn = select_attention(self.config)
+        attend_fn = select_attention(self.config.attention_backend)
         x = self.embed_tokens(tokens)
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
