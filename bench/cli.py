@@ -282,6 +282,8 @@ def main(argv=None) -> int:
         argv = argv[1:]
     try:
         args = parser().parse_args(argv)
+        from ssd_jax.__main__ import quiet_logging
+        quiet_logging()  # the library's status lines (worker start-up, downloads) on stderr
         from ssd_jax import distributed
         distributed.initialize()  # multi-host jobs: before machine() or a model touches JAX
         results = run(args, argv)

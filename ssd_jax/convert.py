@@ -5,12 +5,15 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from pathlib import Path
 
 from ssd_jax.loading import load
 from ssd_jax.loading.orbax_ckpt import is_orbax_dir, save
+
+log = logging.getLogger("ssd_jax.convert")  # not __name__: "__main__" under python -m
 
 
 def _fail(message: str) -> int:
@@ -25,6 +28,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--force", action="store_true", help="replace an existing DST checkpoint")
     args = ap.parse_args(argv)
+    from ssd_jax.__main__ import quiet_logging
+    quiet_logging()
     dst = Path(args.dst)
     # Check DST before the (slow) load, and never write over something that is not ours.
     if dst.exists() and not dst.is_dir():
@@ -41,10 +46,10 @@ def main(argv=None) -> int:
         model, tokenizer, extra = load(args.src, dtype=args.dtype, progress=True)
     except (FileNotFoundError, ValueError) as e:
         return _fail(str(e))
-    print(f"[convert] loaded {args.src} ({model.config.arch}, {model.config.num_layers} layers) "
-          f"in {time.perf_counter() - t0:.1f}s; writing orbax checkpoint ...", file=sys.stderr)
+    log.info("loaded %s (%s, %d layers) in %.1fs; writing orbax checkpoint ...", args.src,
+             model.config.arch, model.config.num_layers, time.perf_counter() - t0)
     out = save(model, tokenizer, args.dst, extra=extra)
-    print(f"[convert] wrote {out} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    log.info("wrote %s in %.1fs", out, time.perf_counter() - t0)
     return 0
 
 

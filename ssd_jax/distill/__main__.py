@@ -54,6 +54,8 @@ def main(argv=None) -> int:
     m.add_argument("-K", type=int, default=5)
     m.add_argument("--json", type=Path, default=None, help="also write the report here")
     args = ap.parse_args(argv)
+    from ssd_jax.__main__ import quiet_logging
+    quiet_logging()
     for flag in ("K", "max_new_tokens", "gen_batches", "batch", "batches", "steps", "top_k"):
         value = getattr(args, flag, None)
         if value is not None and value < 1:

@@ -13,6 +13,7 @@ Resumable: every `ckpt_every` steps the params, optimizer state and step go to W
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from ssd_jax.draft_vocab import VocabMap
 from ssd_jax.models.attention import causal_mask
 from ssd_jax.models.transformer import KVCache, Transformer
 
+log = logging.getLogger(__name__)
 SPECIAL_IDS = (0, 1, 2)  # <|endoftext|>, <|im_start|>, <|im_end|>: the chat template needs them
 
 
@@ -251,7 +253,8 @@ def run(data_path: Path, work: Path, out: Path, cfg: TrainConfig = TrainConfig()
                              cfg.draft_vocab, target.config.vocab_size)
     w = train_data["weight"] == 1
     covered = float((vocab.to_draft[train_data["top_ids"][..., 0][w]] != vocab.oov).mean())
-    print(f"draft vocab {vocab.draft_size}: covers {covered:.4f} of the target's argmax tokens")
+    log.info("draft vocab %d: covers %.4f of the target's argmax tokens", vocab.draft_size,
+             covered)
     if init is None:
         model = Transformer(draft_config(cfg, target.config), rngs=nnx.Rngs(cfg.seed))
         init_embeddings(model, np.asarray(target.embed_tokens.embedding.get_value()), vocab)
@@ -262,6 +265,6 @@ def run(data_path: Path, work: Path, out: Path, cfg: TrainConfig = TrainConfig()
     summary = train(model, batches, cfg, work, held_out)
     summary.update(vocab_coverage=covered, train_sequences=int(batches.n), eval_sequences=int(ev.n),
                    config=asdict(cfg), init=str(init) if init else None)
-    print(json.dumps(summary, indent=1))
+    log.info("training summary:\n%s", json.dumps(summary, indent=1))
     orbax_ckpt.save(model, tokenizer, out, extra={"vocab_map": vocab.to_dict(), "distill": summary})
     return out
