@@ -335,10 +335,11 @@ class LLM:
 
     def _learn(self, mode: str, metrics: RunMetrics) -> None:
         """Keep this pair's measured acceptance for the next automatic choice."""
-        if mode == "ar" or sum(metrics.accept_hist) < 8 or not metrics.k:
+        if mode == "ar" or sum(metrics.accept_hist) < 8:
             return
+        a = autotune.acceptance_from_rounds(metrics.accept_hist)
         pair = autotune.pair_key(*(p or "model" for p in self.paths))
-        autotune.TuneStore(autotune.store_path(self.cache_dir)).observe(pair, metrics.acceptance)
+        autotune.TuneStore(autotune.store_path(self.cache_dir)).observe(pair, a)
 
     def _run_in_workers(self, ids, params, mode, seq_len, spec: SpecConfig):
         request = dict(mode=mode, ids=ids, params=[asdict(p) for p in params],

@@ -53,6 +53,15 @@ def test_choice_follows_the_costs():
                                          batch=1)["sd"] for k in (1, 2, 3, 4))
 
 
+def test_acceptance_is_recovered_from_accept_lengths():
+    """Rounds drawn from the capped-geometric law give back its a."""
+    from ssd_jax.fanout import geometric_probs
+    for a, k in ((0.3, 2), (0.8, 4), (0.95, 3)):
+        hist = np.round(geometric_probs(a, k) * 1e6)
+        assert autotune.acceptance_from_rounds(hist) == pytest.approx(a, abs=1e-3)
+    assert autotune.acceptance_from_rounds([0, 0]) is None
+
+
 def test_store_keeps_costs_and_blends_acceptance(tmp_path):
     store = TuneStore(tmp_path / "autotune.json")
     costs = _costs(0.1, 0.01, 0.1)
