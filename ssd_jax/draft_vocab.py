@@ -11,6 +11,7 @@ Losslessness is untouched: verification only needs q(x) > 0 wherever the draft p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -128,7 +129,7 @@ class DraftModel(nnx.Module):
         return to_target_vocab(logits, to_draft, self.oov, -jnp.inf), kv
 
     @classmethod
-    def load(cls, name_or_path: str = "smollm2-draft", **kw) -> tuple["DraftModel", object]:
+    def load(cls, name_or_path: str | Path = "smollm2-draft", **kw) -> tuple["DraftModel", object]:
         """(DraftModel, tokenizer) from a checkpoint whose `extra` holds the vocab map."""
         from ssd_jax.loading import load
         model, tokenizer, extra = load(name_or_path, **kw)

@@ -15,6 +15,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int, Key
 
 from ssd_jax.config import ModelConfig
+from ssd_jax.draft_vocab import DraftModel
 from ssd_jax.models.attention import causal_mask
 from ssd_jax.models.transformer import KVCache, Transformer, commit
 from ssd_jax.sampling import next_token
@@ -44,7 +45,7 @@ class DecodeState(NamedTuple):
     done: Bool[Array, " B"]
 
 
-def _merge(graphdef, params) -> Transformer:
+def _merge(graphdef, params) -> Transformer | DraftModel:
     return nnx.merge(graphdef, params)
 
 
@@ -121,7 +122,7 @@ def decode_step(graphdef, params, state: DecodeState, cache: KVCache, sampling: 
 class ModelRunner:
     """Holds one model's split params and dispatches its jitted programs."""
 
-    def __init__(self, model: Transformer, mesh=None):
+    def __init__(self, model: Transformer | DraftModel, mesh=None):
         self.config: ModelConfig = model.config
         self.graphdef, self.params = nnx.split(model)
         self.mesh = mesh

@@ -125,7 +125,7 @@ def next_token(
 def saguaro_rescale(
     q: Float[Array, "*S V"],
     num_top: int | Int[Array, " B"],
-    c: float | Float[Array, " B"],
+    c: float | Float[Array, ""] | Float[Array, " B"],
     fmax: int | None = None,
 ) -> Float[Array, "*S V"]:
     """Saguaro sampling: scale the top-`num_top` probabilities of q by C in (0, 1], renormalise.
@@ -135,8 +135,9 @@ def saguaro_rescale(
     verifier is given this q' - the distribution the speculated token was actually drawn from.
     "Top" is the order (probability desc, index asc), the order `lax.top_k` gives the fork, so
     ties at the boundary scale exactly num_top tokens. num_top and C may be per row ([B], q's
-    leading axis); a per-row num_top needs the static bound `fmax` >= every entry. C = 1 and
-    num_top = 0 are the identity.
+    leading axis), C also one scalar array for all rows (SSD traces it as an argument, so a new
+    C needs no recompile); a per-row num_top needs the static bound `fmax` >= every entry. C = 1
+    and num_top = 0 are the identity.
     """
     q = q.astype(jnp.float32)
     V = q.shape[-1]

@@ -1,7 +1,20 @@
-"""Shared fixtures: tiny random HF models made offline with transformers, and the SmolLM2 pair."""
+"""Shared fixtures: tiny random HF models made offline with transformers, and the SmolLM2 pair.
+
+Shape annotations are contracts here: before anything imports ssd_jax or pallas_kernels,
+jaxtyping's import hook wraps every function and dataclass in them with
+`jaxtyped(typechecker=beartype)`, so each annotated shape and dtype is checked at every call
+(under jit: at trace time, on the tracers). beartype runs with PEP 484's numeric tower (an int
+is a valid `float`, as the annotation means); `typing.no_type_check` keeps the hook off the few
+user-facing entry points that check their own arguments with errors naming the fix."""
 from __future__ import annotations
 
-import os
+from jaxtyping import install_import_hook
+
+TYPECHECK = install_import_hook(
+    ["ssd_jax", "pallas_kernels"],
+    "beartype.beartype(conf=beartype.BeartypeConf(is_pep484_tower=True))")
+
+import os  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -59,15 +59,15 @@ def test_ngram_matches_brute_force():
     rng = np.random.default_rng(1)
     hist = rng.integers(0, 5, size=(16, 40))
     lengths = rng.integers(2, 40, size=16)
-    got = np.asarray(ngram_propose(hist, lengths, 4))
+    got = np.asarray(ngram_propose(jnp.asarray(hist), jnp.asarray(lengths), 4))
     for b in range(16):
         assert list(got[b]) == _brute_ngram(list(hist[b]), lengths[b], 4), b
 
 
 def test_append_tokens():
     h = np.zeros((2, 8), np.int32)
-    out = np.asarray(append_tokens(jnp.asarray(h), np.array([2, 6]), np.array([[1, 2, 3], [4, 5, 6]]),
-                                   np.array([3, 2])))
+    out = np.asarray(append_tokens(jnp.asarray(h), jnp.array([2, 6]),
+                                   jnp.array([[1, 2, 3], [4, 5, 6]]), jnp.array([3, 2])))
     assert out.tolist() == [[0, 0, 1, 2, 3, 0, 0, 0], [0, 0, 0, 0, 0, 0, 4, 5]]
 
 

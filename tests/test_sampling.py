@@ -5,15 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from beartype import beartype
-from jaxtyping import jaxtyped
 
 from ssd_jax import sampling
 from tests.oracles import P_MIN, chi2_pvalue
-
-def checked(fn):
-    """Check the jaxtyping shape annotations at call time."""
-    return jaxtyped(typechecker=beartype)(fn)
 
 
 def ranking(probs):
@@ -72,7 +66,7 @@ def _batch(cases):
 
 
 def test_process_probs_matches_bruteforce():
-    got = jax.jit(checked(sampling.process_probs))(*_batch(CASES))
+    got = jax.jit(sampling.process_probs)(*_batch(CASES))
     want = np.stack([np_process(*c) for c in CASES])
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(got, want, atol=2e-6)
@@ -95,7 +89,7 @@ def test_process_probs_broadcasts_row_settings_over_middle_axes():
     rows = CASES[:6]
     logits, t, k, p = _batch(rows)
     rolled = jnp.stack([jnp.roll(logits, s, axis=-1) for s in range(3)], axis=1)  # [B, 3, V]
-    got = checked(sampling.process_probs)(rolled, t, k, p)
+    got = sampling.process_probs(rolled, t, k, p)
     for b, (_, tb, kb, pb) in enumerate(rows):
         for s in range(3):
             np.testing.assert_allclose(
@@ -106,7 +100,7 @@ def test_sample_frequencies_match_probs():
     probs = np.array([0.5, 0.3, 0.0, 0.199, 0.001], np.float32)
     n = 200_000
     keys = jax.random.split(jax.random.key(0), n)
-    draws = jax.jit(checked(sampling.sample))(jnp.broadcast_to(probs, (n, 5)), keys)
+    draws = jax.jit(sampling.sample)(jnp.broadcast_to(probs, (n, 5)), keys)
     counts = np.bincount(np.asarray(draws), minlength=5)
     assert counts[2] == 0
     assert chi2_pvalue(counts, probs) > P_MIN
@@ -133,7 +127,7 @@ def test_next_token_greedy_and_sampled_rows():
     p = jnp.asarray([1.0, 0.9, 1.0, 1.0], jnp.float32)
     n = 50_000
     keys = jax.random.split(jax.random.key(2), (n, 4))
-    step = jax.jit(jax.vmap(checked(sampling.next_token), in_axes=(None, None, None, None, 0)))
+    step = jax.jit(jax.vmap(sampling.next_token, in_axes=(None, None, None, None, 0)))
     toks = np.asarray(step(logits, t, k, p, keys))  # [n, 4]
     np.testing.assert_array_equal(toks[:, 0], 1)  # greedy: first of the tied maxima
     np.testing.assert_array_equal(toks[:, 2], 1)  # top_k=1 agrees with greedy on ties
@@ -157,7 +151,7 @@ def test_saguaro_rescale_matches_reference():
     q[1, 1] = [0.1, 0.3, 0.1, 0.4, 0.1, 0.0]  # tie at the top-3 boundary: ids 0 and 2 -> 0
     c = np.array([0.3, 0.5, 1.0], np.float32)
     for num_top in (1, 2, 3):
-        got = jax.jit(checked(sampling.saguaro_rescale), static_argnums=1)(
+        got = jax.jit(sampling.saguaro_rescale, static_argnums=1)(
             jnp.asarray(q), num_top, jnp.asarray(c))
         for b, j in itertools.product(range(3), range(2)):
             np.testing.assert_allclose(got[b, j], np_saguaro(q[b, j], num_top, c[b]), atol=1e-6)
@@ -175,7 +169,7 @@ def test_saguaro_rescale_per_row_counts_match_reference():
                   [[0.25, 0.25, 0.25, 0.25]]], np.float32)  # [B=3, N=1, V=4]
     num_top = np.array([1, 2, 0], np.int32)
     c = np.array([0.5, 0.2, 0.3], np.float32)
-    got = jax.jit(checked(sampling.saguaro_rescale), static_argnums=3)(
+    got = jax.jit(sampling.saguaro_rescale, static_argnums=3)(
         jnp.asarray(q), jnp.asarray(num_top), jnp.asarray(c), 3)
     for b in range(3):
         np.testing.assert_allclose(got[b, 0], np_saguaro(q[b, 0], num_top[b], c[b]), atol=1e-6)

@@ -14,8 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from beartype import beartype
-from jaxtyping import jaxtyped
 
 from ssd_jax import sampling
 from ssd_jax import verify as verify_mod
@@ -227,7 +225,7 @@ def test_greedy_matches_python_loop():
         want_t.append(int(np.argmax(logits[b, n])))
     assert set(want_k) == set(range(Kg + 1))  # every outcome exercised
 
-    k, t = jax.jit(jaxtyped(typechecker=beartype)(verify_mod.verify_greedy))(
+    k, t = jax.jit(verify_mod.verify_greedy)(
         jnp.asarray(logits), jnp.asarray(draft, jnp.int32))
     np.testing.assert_array_equal(k, want_k)
     np.testing.assert_array_equal(t, want_t)
@@ -235,7 +233,7 @@ def test_greedy_matches_python_loop():
     # The general path, greedy rows (probs are one-hot after process_probs at T=0).
     probs = _process(jnp.asarray(logits), jnp.zeros(B), jnp.zeros(B, jnp.int32),
                                    jnp.ones(B))
-    k2, t2 = jax.jit(jaxtyped(typechecker=beartype)(verify_mod.verify))(
+    k2, t2 = jax.jit(verify_mod.verify)(
         probs, jnp.asarray(draft, jnp.int32), jnp.full((B, Kg, Vg), 1.0 / Vg),
         jnp.zeros(B, bool), jnp.ones(B, bool), jax.random.split(jax.random.key(0), B))
     np.testing.assert_array_equal(k2, want_k)
