@@ -8,11 +8,17 @@ is a valid `float`, as the annotation means); `typing.no_type_check` keeps the h
 user-facing entry points that check their own arguments with errors naming the fix."""
 from __future__ import annotations
 
+import sys
+
 from jaxtyping import install_import_hook
 
-TYPECHECK = install_import_hook(
-    ["ssd_jax", "pallas_kernels"],
-    "beartype.beartype(conf=beartype.BeartypeConf(is_pep484_tower=True))")
+# Once per process: test modules import this file again as `tests.conftest` for its helpers.
+if not any(type(f).__module__.startswith("jaxtyping") for f in sys.meta_path):
+    if {m.split(".")[0] for m in sys.modules} & {"ssd_jax", "pallas_kernels"}:
+        raise RuntimeError("ssd_jax was imported before tests/conftest.py, so the type-check "
+                           "hook cannot cover it: import it only in test modules")
+    install_import_hook(["ssd_jax", "pallas_kernels"],
+                        "beartype.beartype(conf=beartype.BeartypeConf(is_pep484_tower=True))")
 
 import os  # noqa: E402
 

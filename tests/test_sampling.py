@@ -184,3 +184,14 @@ def test_saguaro_rescale_identity_cases(num_top, c):
     q = jnp.asarray(np.random.default_rng(1).dirichlet(np.ones(5), size=4), jnp.float32)
     # C = 1 changes nothing; num_top = 0 scales nothing; num_top >= V scales everything equally.
     np.testing.assert_allclose(sampling.saguaro_rescale(q, num_top, c), q, atol=1e-6)
+
+
+def test_shape_annotations_are_checked():
+    """The test run's import hook (conftest) checks every annotated call: a [B] array of floats
+    where sample() takes [B] keys is refused, as is a probs row count that differs from B."""
+    from jaxtyping import TypeCheckError
+    probs = jnp.full((3, 4), 0.25)
+    with pytest.raises(TypeCheckError, match="keys"):
+        sampling.sample(probs, jnp.ones((3,)))
+    with pytest.raises(TypeCheckError):
+        sampling.sample(probs, jax.random.split(jax.random.key(0), 2))
