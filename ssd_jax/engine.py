@@ -165,6 +165,7 @@ class LLM:
             self.vocab = pair_vocab(target, described)
         self.last_metrics: RunMetrics | None = None  # of the latest generate/stream call
         self.last_choice: autotune.Choice | None = None  # automatic settings of the latest run
+        self._logged_choice: autotune.Choice | None = None
 
     # ---------------------------------------------------------------- models, loaded on use
     @property
@@ -332,8 +333,10 @@ class LLM:
         pair = autotune.pair_key(*(p or "model" for p in self.paths))
         a, r = autotune.TuneStore(autotune.store_path(self.cache_dir)).acceptance(pair)
         choice = autotune.choose(self._step_costs(mode, rows), a=a, r=r, batch=rows, mode=mode)
+        if choice != self._logged_choice:  # warmup and the run choose alike: say it once
+            log.info("automatic settings (%s): %s", mode.upper(), choice.describe())
+            self._logged_choice = choice
         self.last_choice = choice
-        log.info("automatic settings (%s): %s", mode.upper(), choice.describe())
         return replace(self.spec, k=choice.k, budget=choice.budget,
                        backup=self.spec.backup or choice.backup)
 
