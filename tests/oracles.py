@@ -145,3 +145,16 @@ def dequantize(raw: np.ndarray, qtype) -> np.ndarray:
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
     rows = raw.shape[0]
     return fn(raw.reshape(-1, nbytes)).reshape(rows, -1)
+
+
+def read_metadata(reader) -> dict:
+    """GGUF metadata as the gguf package reads it: the oracle for our own header reader."""
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception:  # exotic field types we do not need
+            continue
+    return meta

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from ssd_jax.loading import check_same_vocabulary, describe, packaged
-from ssd_jax.loading.gguf_loader import open_gguf, read_header, read_metadata
+from ssd_jax.loading.gguf_loader import open_gguf, read_header
+from tests.oracles import read_metadata
 from ssd_jax.loading.packaged import PackagedModel, PackagedModelError, Part
 
 

@@ -18,6 +18,7 @@ from ssd_jax import LLM, EngineConfig, SamplingParams
 from ssd_jax.loading import gguf_loader, packaged
 from ssd_jax.loading.tokenizer import from_gguf_metadata
 from ssd_jax.loading.weights import named_weights
+from tests.oracles import read_metadata
 from ssd_jax.models import causal_mask
 
 pytestmark = pytest.mark.slow
@@ -130,7 +131,7 @@ def _strings(rendered_templates: list[str]) -> list[str]:
 def tokenizers(request):
     """Ours and transformers' tokenizer of one packaged file (no model weights loaded)."""
     path = _gguf(request.param)
-    ours = from_gguf_metadata(gguf_loader.read_metadata(gguf_loader.open_gguf(path)))
+    ours = from_gguf_metadata(read_metadata(gguf_loader.open_gguf(path)))
     return ours, _hf_tokenizer(path)
 
 

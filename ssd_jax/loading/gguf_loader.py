@@ -93,18 +93,6 @@ def read_header(path: Path, *, stop_at: str | None = None) -> tuple[dict, dict[s
     return meta, tensors
 
 
-def read_metadata(reader) -> dict:
-    meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception:  # exotic field types we do not need
-            continue
-    return meta
-
-
 def stop_token_ids(meta: dict) -> tuple[int, ...]:
     """Every token that ends a turn: the file's eos/eot/eom ids plus the control tokens spelled
     as an end of turn or text (Qwen's chat template ends turns with <|im_end|>, while the
