@@ -144,17 +144,23 @@ def run(args, argv) -> dict:
                              "its own draft) or another draft")
     engine = engine_config(args, split, max(p.batch for p in points))
     from ssd_jax import LLM
-    try:
-        llm = LLM(args.target, draft=args.draft if load_draft else None, dtype=args.dtype,
-                  spec=points[0].spec(), engine=engine, progress=not args.no_progress)
-    except (FileNotFoundError, ValueError) as e:
-        raise BenchError(str(e).splitlines()[0])
+
+    def make_llm(engine):
+        try:
+            return LLM(args.target, draft=args.draft if load_draft else None, dtype=args.dtype,
+                       spec=points[0].spec(), engine=engine, progress=not args.no_progress)
+        except (FileNotFoundError, ValueError) as e:
+            raise BenchError(str(e).splitlines()[0])
+
+    llm = make_llm(engine)
     notes = []
     if (args.driver == "auto" and "ssd" in modes and callable(getattr(llm, "driver", None))
             and llm.driver("ssd") == "processes"):
         # The engine runs SSD in two pinned processes here; run AR and SD in the same target
-        # process too, so that every mode's target gets the same single core.
-        llm.engine = dataclasses.replace(llm.engine, driver="processes")
+        # process too, so that every mode's target gets the same single core (an LLM reads
+        # no weights until its first run, so building a second one is cheap).
+        llm.close()
+        llm = make_llm(dataclasses.replace(engine, driver="processes"))
         notes.append("driver auto chose pinned worker processes for SSD on this CPU, so every "
                      "mode ran in them: the target gets one core in AR, SD and SSD, and SSD "
                      "adds a second core for the draft.")

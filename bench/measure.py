@@ -7,7 +7,6 @@ Every distinct compiled shape is warmed up before timing (compile time is report
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass
 
@@ -61,15 +60,6 @@ def sampling(point: Point, n: int, out_len: int, seed: int, ignore_eos: bool):
             for i in range(n)]
 
 
-def shape_key(lens: list[int], out_len: int, bucket: int, slack: int) -> tuple:
-    """The shapes a generate() call compiles for (mirrors ssd_jax.engine: padded batch, prompt
-    bucket, cache length). A mismatch would only cost an extra warm-up or an untimed compile."""
-    B = 1 << (len(lens) - 1).bit_length()
-    T = math.ceil(max(lens) / bucket) * bucket
-    S = math.ceil((max(max(lens) + out_len, T) + slack) / 256) * 256
-    return B, T, S
-
-
 class Cells:
     """Runs cells on one LLM; remembers which shapes are compiled."""
 
@@ -77,12 +67,6 @@ class Cells:
         self.llm, self.out_len, self.seed, self.ignore_eos = llm, out_len, seed, ignore_eos
         self.progress = progress
         self.warm: set = set()
-
-    def _set(self, point: Point, mode: str, sync_phases: bool = False):
-        # The engine reads `spec` and `engine` on every call, so one loaded LLM serves all points.
-        if mode in ("sd", "ssd"):
-            self.llm.spec = point.spec()
-        self.llm.engine = dataclasses.replace(self.llm.engine, sync_phases=sync_phases)
 
     def _batches(self, ids, point):
         return [list(range(i, min(i + point.batch, len(ids))))
@@ -93,36 +77,34 @@ class Cells:
         return f(mode) if callable(f) else "single"
 
     def warmup(self, mode: str, point: Point, ids, params) -> float:
-        self._set(point, mode)
-        slack = 1 if mode == "ar" else point.k + 2
         t0 = time.perf_counter()
         for b in self._batches(ids, point):
+            args = ([ids[i] for i in b], [params[i] for i in b])
+            kw = dict(mode=mode, chat=False, spec=point.spec())
             key = (mode, point.for_mode(mode), params[0].temperature == 0,
-                   shape_key([len(ids[i]) for i in b], self.out_len,
-                             self.llm.engine.prefill_bucket, slack))
+                   self.llm.shapes(*args, **kw))
             if key in self.warm:
                 continue
-            args = ([ids[i] for i in b], [params[i] for i in b])
             if self.driver(mode) == "processes":
                 # A full generate: LLM.warmup stops after the first chunk, and closing the
                 # worker stream early stops the worker pool (its programs would recompile).
-                self.llm.generate(*args, mode=mode, chat=False)
+                self.llm.generate(*args, **kw)
             else:
-                self.llm.warmup(*args, mode=mode, chat=False)
+                self.llm.warmup(*args, **kw)
             self.warm.add(key)
         return time.perf_counter() - t0
 
-    def _generate(self, mode, point, ids, params, agg, bar=None):
+    def _generate(self, mode, point, ids, params, agg, bar=None, sync_phases: bool = False):
+        # Settings go with each call, so one loaded LLM serves every point of the sweep.
         for b in self._batches(ids, point):
             agg.add(b, self.llm.generate([ids[i] for i in b], [params[i] for i in b], mode=mode,
-                                         chat=False))
+                                         chat=False, spec=point.spec(), sync_phases=sync_phases))
             if bar is not None:
                 bar.update(len(b))
 
     def run(self, mode: str, suite: str, point: Point, ids, desc: str = "") -> dict:
         params = sampling(point, len(ids), self.out_len, self.seed, self.ignore_eos)
         warm_s = self.warmup(mode, point, ids, params)
-        self._set(point, mode)
         agg = Agg(point.for_mode(mode), self.driver(mode))
         bar = _bar(len(ids), desc if self.progress else "")
         self._generate(mode, point, ids, params, agg, bar)
@@ -135,12 +117,8 @@ class Cells:
         its phases, so its cells carry them already and need no separate pass."""
         params = sampling(point, len(ids), self.out_len, self.seed, self.ignore_eos)
         self.warmup(mode, point, ids, params)
-        self._set(point, mode, sync_phases=True)
         agg = Agg(point.for_mode(mode), self.driver(mode))
-        try:
-            self._generate(mode, point, ids, params, agg)
-        finally:
-            self._set(point, mode)
+        self._generate(mode, point, ids, params, agg, sync_phases=True)
         return agg.phases()
 
 

@@ -71,7 +71,7 @@ class _Server:
         from jax.sharding import Mesh, NamedSharding
         from jax.sharding import PartitionSpec as P
         from ssd_jax.sharding import TP
-        from ssd_jax.engine import pair_vocab
+        from ssd_jax.loading import pair_vocab
         from ssd_jax.loading import describe, load
         from ssd_jax.multihost import Exchange
         from ssd_jax.runner import ModelRunner

@@ -165,3 +165,82 @@ def test_bad_configs():
 def test_unknown_model_path():
     with pytest.raises(FileNotFoundError, match="not found"):
         LLM("/no/such/model")
+
+
+def test_shapes_name_the_programs_a_call_compiles(tiny):
+    """Calls with equal `shapes()` reuse the compiled programs (no backend compile), a call
+    with other shapes does not: JAX's compile events are the oracle."""
+    from jax import monitoring
+    llm, _ = tiny
+    p = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    first, same, longer = [[5, 9, 11], list(range(20, 39)), [7] * 8], [[6, 2], [9] * 30], [[1] * 40]
+    # 3 rows pad to 4, the longest prompt (19) to the bucket of 16 -> 32, 19 + 20 + 1 -> 256
+    assert llm.shapes(first, p, mode="ar") == (4, 32, 256)
+    assert llm.shapes(same, p, mode="ar") == (2, 32, 256)
+    assert llm.shapes(longer, p, mode="ar") == (1, 48, 256)
+    compiles = []
+
+    def listen(name, secs, **kw):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(name)
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        llm.generate([[3, 4], [8] * 20, [1], [2, 2]], p)  # (4, 32, 256), as `first`
+        n = len(compiles)
+        llm.generate(first, p)
+        assert len(compiles) == n
+        llm.generate(longer, p)
+        assert len(compiles) > n
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+
+
+def test_shapes_draw_no_seeds(tiny_llama):
+    """Asking for shapes leaves the per-request seeds of later unseeded requests unchanged."""
+    model, tok, _ = load(tiny_llama[0])
+    p = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True)
+    a, b = (LLM(model, tokenizer=tok, engine=ENGINE) for _ in range(2))
+    a.shapes([[3, 4, 5]] * 2, p)
+    assert ([o.token_ids for o in a.generate([[3, 4, 5]] * 2, p)]
+            == [o.token_ids for o in b.generate([[3, 4, 5]] * 2, p)])
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama, tmp_path_factory):
+    from tests.conftest import save_noisy_draft
+    path = tmp_path_factory.mktemp("engine_draft")
+    save_noisy_draft(tiny_llama[1], path)
+    return LLM(str(tiny_llama[0]), draft=str(path), spec=SpecConfig(k=2),
+               engine=EngineConfig(max_batch=2, max_seq_len=256, prefill_bucket=16,
+                                   driver="single"))
+
+
+def test_per_call_spec_and_sync_phases(pair):
+    llm = pair
+    prompts = [[5, 9, 11], list(range(20, 39))]
+    p = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    ar = [o.token_ids for o in llm.generate(prompts, p, mode="ar")]
+    out = llm.generate(prompts, p, mode="sd", spec=SpecConfig(k=4), sync_phases=True)
+    m = out[0].metrics
+    assert [o.token_ids for o in out] == ar
+    assert m.k == 4 and m.settings["k"] == 4 and len(m.accept_hist) == 5
+    assert m.sync_phases and m.verify_s > 0 and m.draft_s > 0
+    m = llm.generate(prompts, p, mode="sd")[0].metrics  # the LLM's own settings again
+    assert m.k == 2 and not m.sync_phases and m.draft_s == 0
+    assert llm.spec == SpecConfig(k=2)
+    assert llm.shapes(prompts, p, mode="ssd", spec=SpecConfig(k=4)) == (2, 32, 256)
+    with pytest.raises(AttributeError):
+        llm.spec = SpecConfig(k=3)  # settings travel with calls, not by mutating the LLM
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(spec={"k": 2}), r"spec=\{'k': 2\} is invalid: pass spec=SpecConfig\(...\)"),
+    (dict(sync_phases="yes"), "sync_phases='yes' is invalid: pass True, False or None"),
+])
+def test_bad_per_call_settings(pair, kw, match):
+    calls = [pair.generate, pair.warmup, lambda *a, **k: next(pair.stream(*a, **k))]
+    if "spec" in kw:
+        calls.append(pair.shapes)
+    for call in calls:
+        with pytest.raises(ValueError, match=match):
+            call([1, 2, 3], SamplingParams(max_new_tokens=2), mode="sd", **kw)

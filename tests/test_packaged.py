@@ -159,4 +159,5 @@ def test_caller_holds_no_weights_with_worker_processes():
     with LLM("smollm2", draft="smollm2-draft", engine=EngineConfig(driver="processes")) as llm:
         out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=4), mode="ssd")
         assert len(out[0].token_ids) == 4
-        assert llm._model is None and llm._draft_model is None and not llm._runners
+        core = llm.core
+        assert core._model is None and core._draft_model is None and not core._runners

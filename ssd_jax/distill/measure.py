@@ -118,7 +118,7 @@ def measure(draft_name: str = "smollm2-draft", *, target_name: str = "smollm2",
     prompts = held_out_prompts()
     llm = LLM(target_name, engine=EngineConfig(max_batch=32, max_seq_len=512, prefill_bucket=128))
     draft = _load_draft(draft_name)
-    ids = [llm._encode(p, chat=True) for p in prompts]
+    ids = [llm.prompts.encode(p, chat=True) for p in prompts]
     t0 = time.perf_counter()
     res = llm.generate(ids, SamplingParams(max_new_tokens=max_new_tokens), chat=False)
     gen_s = time.perf_counter() - t0

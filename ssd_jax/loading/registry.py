@@ -145,6 +145,29 @@ def check_same_vocabulary(target: ModelConfig, target_tok: Tokenizer | None,
     return VocabMap.from_target_ids(np.arange(draft.vocab_size - 1), target.vocab_size)
 
 
+def vocab_from_extra(extra: dict):
+    """The draft->target vocab map stored with a draft checkpoint, if any."""
+    if not extra.get("vocab_map"):
+        return None
+    from ssd_jax.draft_vocab import VocabMap
+    return VocabMap.from_dict(extra["vocab_map"])
+
+
+def pair_vocab(target: tuple, draft: tuple):
+    """The draft->target vocab map of a pair, from their `describe` triples: the one stored with
+    a truncated-vocabulary draft, an identity that drops vocabulary padding, or None (same ids).
+    Raises when the two tokenizers differ."""
+    (t_config, t_tok, _), (d_config, d_tok, extra) = target, draft
+    vocab = vocab_from_extra(extra)
+    if vocab is None:
+        return check_same_vocabulary(t_config, t_tok, d_config, d_tok)
+    if vocab.target_size != t_config.vocab_size:
+        raise ValueError(
+            f"draft vocabulary map targets {vocab.target_size} ids, the target has "
+            f"{t_config.vocab_size}: this draft was made for another target")
+    return vocab
+
+
 def _real_tokens(tok: Tokenizer) -> dict[str, int]:
     """The tokenizer's tokens, without the "[PAD123]" fillers GGUF files list for padding rows."""
     return {t: i for t, i in tok.backend.get_vocab(with_added_tokens=True).items()

@@ -1,0 +1,259 @@
+"""The user-facing API: `LLM(model).generate(prompts, SamplingParams(...))` and `stream(...)`.
+
+Load once, generate many times. Prompts in a batch may differ in length (right-padded to a
+bucket); shapes are bucketed so repeated calls reuse compiled programs. `LLM` is a thin facade:
+prompts are `ssd_jax.prompts`' job, models and decoding `ssd_jax.engine.Engine`'s.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence, no_type_check
+
+from ssd_jax import autotune
+from ssd_jax.config import EngineConfig, SamplingParams, SpecConfig
+from ssd_jax.engine import Engine, Shapes
+from ssd_jax.loading.tokenizer import Tokenizer
+from ssd_jax.metrics import RunMetrics
+from ssd_jax.models.transformer import Transformer
+from ssd_jax.prompts import Prompt, Prompts, prompt_kind, short
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (stop/EOS token) or "length" (max_new_tokens)
+    metrics: RunMetrics | None = field(default=None, repr=False)
+
+
+def _check_config(name: str, value, cls) -> None:
+    if not isinstance(value, cls):
+        raise ValueError(f"{name}={short(value)} is invalid: pass {name}={cls.__name__}(...)")
+
+
+class LLM:
+    """A target model (and later a draft) loaded once, with its tokenizer and jitted programs.
+
+    `model` is a name ("smollm2"), a .gguf file, an HF directory or an ssd_jax orbax directory;
+    or an already built `Transformer` (then pass `tokenizer`, or give token-id prompts).
+    `spec` is the default of every call; `generate`/`stream`/`warmup` take `spec=` (and
+    `sync_phases=`) to override it for one call.
+    """
+
+    # The public methods check their own arguments, with errors that name the fix; the test
+    # run's type-check hook (tests/conftest.py) is kept off them, or it would pre-empt those.
+    @no_type_check
+    def __init__(self, model: str | Path | Transformer = "smollm2", *,
+                 draft: str | Path | Transformer | None = None,
+                 tokenizer: Tokenizer | None = None, dtype: str = "float32",
+                 spec: SpecConfig = SpecConfig(), engine: EngineConfig = EngineConfig(),
+                 cache_dir: Path | None = None, progress: bool = True):
+        _check_config("spec", spec, SpecConfig)
+        _check_config("engine", engine, EngineConfig)
+        self.core = Engine(model, draft, tokenizer=tokenizer, dtype=dtype, config=engine,
+                           cache_dir=cache_dir, progress=progress)
+        self.prompts = Prompts(self.core.tokenizer, self.core.model_config, engine.seed)
+        self._spec = spec
+        self.last_metrics: RunMetrics | None = None  # of the latest generate/stream call
+        self.last_token_ids: list[int] | None = None  # of the latest stream, to compare runs
+
+    # ---------------------------------------------------------------- what was built
+    @property
+    def spec(self) -> SpecConfig:
+        """The default speculation settings (a call's `spec=` overrides them)."""
+        return self._spec
+
+    @property
+    def engine(self) -> EngineConfig:
+        return self.core.config
+
+    @property
+    def config(self):
+        """The target's ModelConfig."""
+        return self.core.model_config
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.core.tokenizer
+
+    @property
+    def paths(self) -> tuple[str | None, str | None]:
+        """(target, draft) names or paths; None for a model passed as a `Transformer`."""
+        return self.core.paths
+
+    @paths.setter
+    def paths(self, value: tuple[str | None, str | None]) -> None:
+        # Points worker processes started later elsewhere (a test makes them fail this way).
+        self.core.paths = value
+
+    @property
+    def vocab(self):
+        """The draft->target vocabulary map (None: the draft speaks the target's ids)."""
+        return self.core.vocab
+
+    @property
+    def has_draft(self) -> bool:
+        return self.core.has_draft
+
+    @property
+    def pool(self):
+        """The worker processes of the "processes" driver (None until first used)."""
+        return self.core.pool
+
+    @property
+    def model(self) -> Transformer:
+        return self.core.model
+
+    @property
+    def runner(self):
+        return self.core.runner
+
+    @property
+    def draft_runner(self):
+        return self.core.draft_runner
+
+    @property
+    def last_choice(self) -> autotune.Choice | None:
+        """The automatic settings of the latest run (None when the settings were given)."""
+        return self.core.last_choice
+
+    def driver(self, mode: str) -> str:
+        """Where a run of `mode` executes: "single" (this process) or "processes"."""
+        return self.core.driver(mode)
+
+    def close(self) -> None:
+        """Stop worker processes, if any were started."""
+        self.core.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---------------------------------------------------------------- runs
+    # The checks below take `object`: they exist to refuse wrong types with a message.
+    def _call(self, mode: str | None, spec: object, sync_phases: object
+              ) -> tuple[str, SpecConfig, bool]:
+        """A call's mode and per-call overrides, checked before any prompt is touched."""
+        return self.core.resolve_mode(mode), self._call_spec(spec), self._sync(sync_phases)
+
+    def _call_spec(self, spec: object) -> SpecConfig:
+        if spec is None:
+            return self._spec
+        _check_config("spec", spec, SpecConfig)
+        return spec
+
+    def _sync(self, sync_phases: object) -> bool:
+        if sync_phases is None:
+            return self.engine.sync_phases
+        if not isinstance(sync_phases, bool):
+            raise ValueError(f"sync_phases={short(sync_phases)} is invalid: pass True, False or "
+                             "None (EngineConfig.sync_phases)")
+        return sync_phases
+
+    # _prepare and _run are what tests/test_mesh.py drives chunk by chunk (under a transfer
+    # guard), below the public calls that collect whole outputs.
+    def _prepare(self, prompts, sampling_params, chat):
+        return self.prompts.prepare(prompts, sampling_params, chat)
+
+    def _run(self, ids: list[list[int]], params: list[SamplingParams], mode: str,
+             spec: SpecConfig | None = None, sync_phases: bool | None = None
+             ) -> Iterator[tuple[list[list[int]], RunMetrics]]:
+        """Yields (new tokens per real row, metrics) chunk by chunk."""
+        stops = [self.prompts.stop_ids(p) for p in params]
+        return self.core.run(ids, params, stops, mode, self._call_spec(spec),
+                             self._sync(sync_phases))
+
+    def _collect(self, ids, params, mode, spec, sync_phases
+                 ) -> Iterator[tuple[list[list[int]], list[str | None], RunMetrics]]:
+        """Per-row token lists grown chunk by chunk, cut at the stop token / budget."""
+        out: list[list[int]] = [[] for _ in ids]
+        reason: list[str | None] = [None] * len(ids)
+        stops = [set(self.prompts.stop_ids(p)) for p in params]
+        for toks, metrics in self._run(ids, params, mode, spec, sync_phases):
+            for i in range(len(ids)):
+                for t in toks[i]:
+                    if reason[i] is not None:
+                        break
+                    out[i].append(int(t))
+                    if int(t) in stops[i]:
+                        reason[i] = "stop"
+                    elif len(out[i]) >= params[i].max_new_tokens:
+                        reason[i] = "length"
+            metrics.new_tokens = sum(len(o) for o in out)
+            self.last_metrics = metrics
+            yield out, reason, metrics
+        self.core.learn(mode, metrics)
+
+    # ---------------------------------------------------------------- public API
+    @no_type_check
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+                 *, chat: bool = True, mode: str | None = None, spec: SpecConfig | None = None,
+                 sync_phases: bool | None = None) -> list[RequestOutput]:
+        """Generate for a batch of prompts. Strings go through the chat template unless
+        chat=False; token-id lists are used as they are. mode: "ar", "sd" or "ssd" (default:
+        "sd" when a draft is loaded, else "ar"). spec: this call's speculation settings (None:
+        the LLM's); sync_phases: block between draft and verify to time each phase (None:
+        EngineConfig's)."""
+        mode, spec, sync = self._call(mode, spec, sync_phases)
+        ids, params = self._prepare(prompts, sampling_params, chat)
+        out = reason = metrics = None
+        for out, reason, metrics in self._collect(ids, params, mode, spec, sync):
+            pass
+        return [RequestOutput(ids[i], out[i], self.prompts.text(out[i]), reason[i] or "length",
+                              metrics) for i in range(len(ids))]
+
+    @no_type_check
+    def warmup(self, prompts: Prompt | Sequence[Prompt],
+               sampling_params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+               *, chat: bool = True, mode: str | None = None, spec: SpecConfig | None = None,
+               sync_phases: bool | None = None) -> float:
+        """Compile the programs a `generate` of these prompts will use (prefill and the decode
+        step at the same shape buckets) by running its first chunk. Returns seconds spent."""
+        t0 = time.perf_counter()
+        mode, spec, sync = self._call(mode, spec, sync_phases)
+        ids, params = self._prepare(prompts, sampling_params, chat)
+        for i, _ in enumerate(self._run(ids, params, mode, spec, sync)):
+            if i == 1:
+                break
+        return time.perf_counter() - t0
+
+    @no_type_check
+    def shapes(self, prompts: Prompt | Sequence[Prompt],
+               sampling_params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+               *, chat: bool = True, mode: str | None = None, spec: SpecConfig | None = None
+               ) -> Shapes:
+        """(padded batch, prompt bucket, cache length): the shapes a `generate` of these
+        prompts compiles for. Two calls with equal shapes (and equal settings) share programs.
+        With automatic settings (spec k=None) K is chosen as the run would choose it."""
+        mode, spec, _ = self._call(mode, spec, None)
+        ids, params = self.prompts.prepare(prompts, sampling_params, chat, draw_seeds=False)
+        return self.core.shapes(ids, params, mode, spec)
+
+    @no_type_check
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams = SamplingParams(),
+               *, chat: bool = True, mode: str | None = None, spec: SpecConfig | None = None,
+               sync_phases: bool | None = None) -> Iterator[str]:
+        """Yield text pieces of one request as they are decoded."""
+        if prompt_kind(prompt) is None:
+            raise ValueError("stream() takes one prompt (text, token ids or chat messages); "
+                             "use generate() for a batch")
+        mode, spec, sync = self._call(mode, spec, sync_phases)
+        ids, params = self._prepare([prompt], sampling_params, chat)
+        shown = ""
+        for out, _, _ in self._collect(ids, params, mode, spec, sync):
+            text = self.prompts.text(out[0])
+            # Hold back a trailing replacement char: a multi-byte character may be incomplete.
+            stable = text[:-1] if text.endswith("\ufffd") else text
+            if len(stable) > len(shown):
+                yield stable[len(shown):]
+                shown = stable
+        self.last_token_ids = list(out[0])  # of this stream, for callers that compare runs
+        final = self.prompts.text(out[0])
+        if len(final) > len(shown):
+            yield final[len(shown):]
