@@ -30,11 +30,20 @@ def validate(args) -> tuple[list[str], list[Point]]:
                          "batch is made of a suite's prompts; raise --num-prompts or lower "
                          "--batch / --sweep-batch")
     for k in [args.k, *args.sweep_k]:
-        if k < 1:
+        if k is not None and k < 1:
             raise BenchError(f"K={k} is invalid: lookahead must be >= 1 (--k / --sweep-k)")
-    for k, m in [(args.k, b) for b in [args.budget, *args.sweep_budget]] + \
-                [(k, args.budget) for k in args.sweep_k]:
-        if m and m < k + 1:
+    if args.k is None and (args.budget or args.sweep_budget) and not args.sweep_k:
+        raise BenchError("--k auto chooses the budget with K: drop --budget / --sweep-budget, "
+                         "or give K (--k N or --sweep-k)")
+    if args.grid and not (args.sweep_k and args.sweep_budget):
+        raise BenchError("--grid needs both --sweep-k and --sweep-budget")
+    pairs = ([(k, m) for k in args.sweep_k for m in args.sweep_budget] if args.grid else
+             [(args.k, b) for b in [args.budget, *args.sweep_budget]]
+             + [(k, args.budget) for k in args.sweep_k])
+    if args.grid:  # a grid keeps the (K, M) that are valid
+        pairs = [(k, m) for k, m in pairs if m == 0 or m >= k + 1]
+    for k, m in pairs:
+        if k is not None and m and m < k + 1:
             raise BenchError(f"budget {m} is smaller than K+1={k + 1}: every accept length needs "
                              f"a branch; use --budget >= {k + 1} (or 0 for 2(K+1)) or a lower K")
     for t in [args.temperature, *args.sweep_temperature]:
@@ -44,12 +53,17 @@ def validate(args) -> tuple[list[str], list[Point]]:
         raise BenchError(f"--top-p {args.top_p} is invalid: it must lie in (0, 1]")
     if not 0 < args.c <= 1:
         raise BenchError(f"--c {args.c} is invalid: Saguaro's C must lie in (0, 1]")
-    base = Point(k=args.k, budget=args.budget, fanout=args.fanout, c=args.c,
-                 backup=args.backup, temperature=args.temperature, top_p=args.top_p,
+    base = Point(k=args.k, budget=None if args.k is None else args.budget, fanout=args.fanout, c=args.c,
+                 backup=args.backup or (None if args.k is None else "neural"),
+                 temperature=args.temperature, top_p=args.top_p,
                  batch=args.batch)
     points = [base]
-    for field, values in (("k", args.sweep_k), ("budget", args.sweep_budget),
-                          ("temperature", args.sweep_temperature), ("batch", args.sweep_batch)):
+    if args.grid:
+        points += [dataclasses.replace(base, k=k, budget=m) for k, m in pairs]
+    sweeps = (("temperature", args.sweep_temperature), ("batch", args.sweep_batch))
+    if not args.grid:
+        sweeps = (("k", args.sweep_k), ("budget", args.sweep_budget)) + sweeps
+    for field, values in sweeps:
         points += [dataclasses.replace(base, **{field: v}) for v in values]
     return list(suites), list(dict.fromkeys(points))
 

@@ -43,6 +43,15 @@ def _list(kind, flag):
     return parse
 
 
+def _k(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a lookahead: give an integer or auto")
+
+
 # --pair name -> (target, draft)
 PAIRS = {"smollm2": ("smollm2", "smollm2-draft"),
          "qwen2.5-coder": ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")}
@@ -59,11 +68,14 @@ def parser() -> argparse.ArgumentParser:
       "(Qwen2.5-Coder-1.5B-Instruct + 0.5B-Instruct, from PyPI); --target/--draft override")
     a("--target", default=None, help="name, .gguf file, HF directory or orbax directory")
     a("--draft", default=None, help="draft model (same kinds as --target)")
-    a("--k", type=int, default=4, help="lookahead K: draft tokens per round")
+    a("--k", type=_k, default=4,
+      help="lookahead K: draft tokens per round, or auto (K, M and the backup chosen by the "
+      "engine's speed model from step costs it measures once per machine and pair)")
     a("--fanout", default="geometric", choices=["uniform", "geometric", "empirical"])
     a("--budget", type=int, default=0, help="SSD branches per row M (0: 2(K+1))")
     a("--c", type=float, default=1.0, help="Saguaro sampling constant C in (0, 1]")
-    a("--backup", default="neural", choices=["neural", "fast", "auto"])
+    a("--backup", default=None, choices=["neural", "fast", "auto"],
+      help="SSD backup on a cache miss (default: neural; with --k auto, chosen with K)")
     a("--temperature", type=float, default=0.0, help="0 = greedy")
     a("--top-p", type=float, default=1.0)
     a("--batch", type=int, default=1)
@@ -80,6 +92,11 @@ def parser() -> argparse.ArgumentParser:
     a("--sweep-temperature", type=_list(float, "--sweep-temperature"), default=[],
       metavar="T,T,...")
     a("--sweep-batch", type=_list(int, "--sweep-batch"), default=[], metavar="B,B,...")
+    a("--grid", action="store_true",
+      help="sweep every (K, M) of --sweep-k x --sweep-budget, not each list on its own")
+    a("--all-cores", action="store_true",
+      help="with worker processes: also time AR and SD in one process over all usable cores "
+      "(what a CPU user without SSD would run), as modes ar-all and sd-all")
     a("--peers", action="store_true",
       help="also time transformers AR and transformers assisted generation (our draft)")
     a("--torch-threads", type=int, default=None,
@@ -195,9 +212,16 @@ def run(args, argv) -> dict:
     finally:
         if hasattr(llm, "close"):
             llm.close()
+    if args.all_cores and driver == "processes":
+        out_cells += run_all_cores(args, make_llm, engine, points, modes, suites, ids)
+        notes.append(f"ar-all / sd-all: AR and SD in the bench's own process on all "
+                     f"{len(os.sched_getaffinity(0))} usable cores (XLA:CPU spreads each "
+                     "computation over them), the choice of a CPU user without SSD.")
     threads = args.torch_threads or (1 if driver == "processes" else os.cpu_count())
     if args.peers:
-        out_cells += run_peers(args, points[0], suites, ids, needs_draft, threads)
+        chosen = [c["k"] for c in out_cells if c["mode"] == "sd" and c.get("automatic")]
+        out_cells += run_peers(args, points[0], suites, ids, needs_draft, threads,
+                               peer_k=chosen[0] if chosen else 4)
     if driver != "processes" and "ssd" in modes:
         import jax
         if split is None or jax.devices()[0].platform == "cpu":
@@ -225,10 +249,30 @@ def run(args, argv) -> dict:
     return annotate(results)
 
 
-def run_peers(args, base: Point, suites, ids, with_draft: bool, threads: int) -> list[dict]:
+def run_all_cores(args, make_llm, engine, points, modes, suites, ids) -> list[dict]:
+    """AR and SD cells (base point) in this process with every usable core."""
+    llm = make_llm(dataclasses.replace(engine, driver="single"))
+    cells = Cells(llm, out_len=args.output_len, seed=args.seed,
+                  ignore_eos=not args.stop_at_eos, progress=not args.no_progress)
+    out = []
+    try:
+        for mode in [m for m in ("ar", "sd") if m in modes]:
+            for s in suites:
+                cell = cells.run(mode, s, points[0], ids[s], desc=f"{mode}-all/{s}")
+                out.append(dict(cell, mode=f"{mode}-all", driver="single"))
+    finally:
+        llm.close()
+    return out
+
+
+def run_peers(args, base: Point, suites, ids, with_draft: bool, threads: int,
+              peer_k: int = 4) -> list[dict]:
+    """transformers AR and assisted generation; `peer_k`: assisted's K when ours was chosen
+    automatically (the K our SD chose)."""
     import tempfile
     from bench.peers import TorchPeers
     work = Path(args.out) / "hf" if args.out else Path(tempfile.mkdtemp(prefix="ssd-bench-"))
+    base = dataclasses.replace(base, k=base.k or peer_k)
     peers = TorchPeers(args.target, args.draft if with_draft else None, work, k=base.k,
                        threads=threads)
     out = []
@@ -290,7 +334,7 @@ def main(argv=None) -> int:
         args = parser().parse_args(argv)
         from ssd_jax.__main__ import quiet_logging
         quiet_logging()  # the library's status lines (worker start-up, downloads) on stderr
-        from ssd_jax import distributed
+        from ssd_jax.runtime import distributed
         distributed.initialize()  # multi-host jobs: before machine() or a model touches JAX
         results = run(args, argv)
     except BenchError as e:

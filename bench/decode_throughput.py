@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     if min(batches) < 1 or args.cache < 2 or args.repeats < 1:
         ap.error("batch sizes and --repeats must be >= 1 and --cache >= 2")
     from ssd_jax.loading import load
-    from ssd_jax.runner import ModelRunner
+    from ssd_jax.core.runner import ModelRunner
     runner = ModelRunner(load(args.model)[0])
     rows = []
     for b in batches:

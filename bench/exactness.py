@@ -93,7 +93,7 @@ def backends(dry_run: bool, n_new: int) -> dict:
     from ssd_jax import LLM, EngineConfig, SamplingParams
     from ssd_jax.models import causal_mask
     from ssd_jax.models.transformer import Transformer
-    from ssd_jax.runner import ModelRunner
+    from ssd_jax.core.runner import ModelRunner
     config = tiny_config("bfloat16", dry_run)
     xla = random_model(config.replace(attention_backend="jnp"), 2)
     # The dry run has no Pallas lowering (CPU): the kernel's GPU program runs interpreted.

@@ -130,8 +130,10 @@ class Agg:
         self.outputs: dict[int, list[int]] = {}
         self.finish: dict[int, str] = {}
         self.decode_tokens = self.decode_s = self.row_tokens = self.steps = 0
-        self.verify = self.draft = self.build = self.select = self.miss_rounds = 0.0
+        self.verify = self.draft = self.build = self.select = self.exposed = 0.0
+        self.miss_rounds = 0.0
         self.ttft, self.hist = [], None
+        self.settings: dict | None = None  # what the engine ran (chosen, with k=auto)
         self.hit = self.miss = None
         self.all_hit_w = 0.0
 
@@ -146,30 +148,31 @@ class Agg:
         self.verify += m.verify_s
         self.draft += m.draft_s
         self.ttft.append(m.ttft_s)
+        self.settings = m.settings
         if m.accept_hist:
             self.hist = _acc(self.hist, m.accept_hist)
         if m.ssd is not None:
-            s = _ssd_dict(m.ssd)
+            s = m.ssd.to_dict()
             self.hit = _acc(self.hit, s["accept_hist_hit"])
             self.miss = _acc(self.miss, s["accept_hist_miss"])
             self.all_hit_w += s["all_hit_rate"] * m.decode_steps
             self.build += s["build_s"]
             self.select += s["select_s"]
+            self.exposed += s["exposed_s"]
             self.miss_rounds += (1 - s["all_hit_rate"]) * m.decode_steps
 
     def phases(self) -> dict | None:
-        """Seconds per round. t_exposed: what the target waits for the next speculation beyond
-        its verification (single driver, blocking: build + select; processes driver: measured
-        wait). t_backup_est: select/exposed time attributed to rounds with a miss (the neural
-        backup runs only then)."""
+        """Seconds per round. t_exposed: what the target waits for the next speculation after
+        its verification (single driver, blocking: build + select in series; processes driver:
+        the overlap's remainder). t_backup_est: select time attributed to rounds with a miss
+        (the neural backup runs only then)."""
         if not self.steps or self.verify <= 0:
             return None
         out = dict(rounds=int(self.steps), t_verify=self.verify / self.steps)
         if self.hit is None:
             out["t_draft"] = self.draft / self.steps
         else:
-            exposed = self.select + (self.build if self.driver != "processes" else 0.0)
-            out.update(t_build=self.build / self.steps, t_exposed=exposed / self.steps,
+            out.update(t_build=self.build / self.steps, t_exposed=self.exposed / self.steps,
                        t_backup_est=self.select / max(self.miss_rounds, 1.0))
         return out
 
@@ -181,8 +184,14 @@ class Agg:
             h, mi = sum(self.hit), sum(self.miss)
             ssd = dict(hit_rate=h / max(h + mi, 1), all_hit_rate=self.all_hit_w / max(self.steps, 1),
                        accept_hist_hit=self.hit.tolist(), accept_hist_miss=self.miss.tolist())
+        point = dataclasses.asdict(self.point)
+        chosen = self.settings if self.settings and self.settings.get("automatic") else None
+        if chosen:  # k=auto: the cell is what the engine chose (its prediction included)
+            point.update(k=chosen["k"], budget=chosen["budget"] if mode == "ssd" else None,
+                         backup=chosen["backup"] if mode == "ssd" else None)
         return dict(
-            mode=mode, suite=suite, **dataclasses.asdict(self.point), driver=self.driver,
+            mode=mode, suite=suite, **point, driver=self.driver, settings=self.settings,
+            automatic=bool(chosen),
             num_prompts=n, decode_tokens=int(self.decode_tokens), decode_s=self.decode_s,
             decode_tok_s=self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0,
             ttft_ms=1e3 * float(np.mean(self.ttft)),
@@ -196,17 +205,6 @@ class Agg:
             phases=self.phases() if mode != "ar" else None,
             warmup_s=warm_s, finish=[self.finish[i] for i in range(n)],
             outputs=[self.outputs[i] for i in range(n)])
-
-
-def _ssd_dict(stats) -> dict:
-    """SSDStats.to_dict(), but timers read from the attributes: the processes driver sets the
-    draft's build time on the stats object after its dict was made."""
-    d = dict(stats.to_dict())
-    for k in ("build_s", "select_s"):
-        v = getattr(stats, k, None)
-        if isinstance(v, (int, float)):
-            d[k] = float(v)
-    return d
 
 
 def _acc(total, hist):

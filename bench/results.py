@@ -18,8 +18,9 @@ from pathlib import Path
 from bench.speed_model import predict_sd, predict_ssd
 
 BEGIN, END = "<!-- ssd-bench:begin -->", "<!-- ssd-bench:end -->"
-MODES = ("ar", "sd", "ssd", "hf-ar", "hf-assisted")
+MODES = ("ar", "sd", "ssd", "ar-all", "sd-all", "hf-ar", "hf-assisted")
 LABELS = {"ar": "ssd_jax AR", "sd": "ssd_jax SD", "ssd": "ssd_jax SSD",
+          "ar-all": "ssd_jax AR, all cores", "sd-all": "ssd_jax SD, all cores",
           "hf-ar": "transformers AR", "hf-assisted": "transformers assisted"}
 POINT = ("k", "budget", "fanout", "c", "backup", "temperature", "top_p", "batch")
 
@@ -30,7 +31,10 @@ def point_of(cell: dict) -> tuple:
 
 def is_base(cell: dict, base: dict) -> bool:
     """The cell ran at the base configuration (fields its mode ignores are None; fields that
-    are None in `base` are free)."""
+    are None in `base` are free). With k=auto as the base, a speculative cell is base only if
+    the engine chose its settings (sweep cells beside it are not)."""
+    if base["k"] is None and cell["mode"] in ("sd", "ssd", "sd-all") and not cell.get("automatic"):
+        return False
     return all(base[f] is None or cell.get(f) is None or cell.get(f) == base[f] for f in POINT)
 
 
@@ -172,9 +176,13 @@ def section(results: dict, plot_dir: str | None = None) -> str:
     models = f"target `{cfg['target']}`" + (f", draft `{cfg['draft']}`" if cfg["draft"] else "")
     spec = ""
     if any(c["mode"] in ("sd", "ssd", "hf-assisted") for c in results["cells"]):
-        mb = base["budget"] or 2 * (base["k"] + 1)
-        spec = (f"; K={base['k']}, M={mb} ({base['fanout']} fan-out, {base['backup']} backup, "
-                f"C={base['c']:g})")
+        if base["k"] is None:
+            spec = (f"; K, M and backup chosen by the engine's speed model per mode (cells); "
+                    f"{base['fanout']} fan-out, C={base['c']:g}")
+        else:
+            mb = base["budget"] or 2 * (base["k"] + 1)
+            spec = (f"; K={base['k']}, M={mb} ({base['fanout']} fan-out, {base['backup']} "
+                    f"backup, C={base['c']:g})")
     out = [BEGIN, "## Benchmark results", "",
            f"Machine: {machine_line(results)}", "",
            f"Models: {models}. Protocol: suites {', '.join(cfg['suites'])} × "

@@ -62,17 +62,16 @@ def _forward_step(runner, cache, B: int, T: int, prefix: int):
 
 
 def _decode_step(runner, context: int, prefix: int):
-    from ssd_jax.batch import make_batch
+    from ssd_jax.core.batch import make_batch
     from ssd_jax.config import SamplingParams
-    from ssd_jax.runner import DecodeState
+    from ssd_jax.core.rows import RowState
     batch = make_batch([[1]], [SamplingParams(max_new_tokens=10**6)], [[]], 1)
-    state = DecodeState(jnp.ones((1,), jnp.int32), jnp.full((1,), prefix, jnp.int32),
-                        jnp.ones((1,), jnp.int32), jnp.zeros((1,), bool))
+    one = jnp.ones((1,), jnp.int32)
+    state = RowState(one, one, jnp.full((1,), prefix, jnp.int32), one, jnp.zeros((1,), bool))
     held = {"cache": runner.new_cache(1, context)}  # donated and replaced by every commit
 
     def step():
-        new_state, held["cache"] = runner.decode(state, held["cache"], batch.sampling,
-                                                 batch.stop_ids, batch.max_new)
+        new_state, held["cache"] = runner.decode(state, held["cache"], batch.req)
         jax.block_until_ready((new_state, held["cache"]))
     return step
 
@@ -82,7 +81,7 @@ def measure(name: str, config, *, tokens, rows, context: int, repeats: int, reco
     keeps what it measured)."""
     from flax import nnx
     from ssd_jax.models.transformer import Transformer
-    from ssd_jax.runner import ModelRunner
+    from ssd_jax.core.runner import ModelRunner
 
     t0 = time.perf_counter()
     runner = ModelRunner(Transformer(config, rngs=nnx.Rngs(0)))

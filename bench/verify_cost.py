@@ -32,7 +32,7 @@ def main(argv=None) -> int:
                  "fills half)")
     from ssd_jax.loading import load
     from ssd_jax.models import causal_mask
-    from ssd_jax.runner import ModelRunner
+    from ssd_jax.core.runner import ModelRunner
     runner = ModelRunner(load(args.model)[0])
     cache = runner.new_cache(1, args.cache)
     prefix = jnp.array([args.cache // 2])

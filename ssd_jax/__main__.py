@@ -14,7 +14,8 @@ import argparse
 import logging
 import sys
 
-from ssd_jax import LLM, EngineConfig, SamplingParams, distributed
+from ssd_jax import LLM, EngineConfig, SamplingParams
+from ssd_jax.runtime import distributed
 from ssd_jax.config import SpecConfig
 
 

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ssd_jax.fanout import FanoutModel, geometric_probs
-from ssd_jax.speed import ssd_speedup
+from ssd_jax.core.fanout import FanoutModel, geometric_probs
+from ssd_jax.core.speed import ssd_speedup
 
 K_MAX = 4
 M_MAX = 16

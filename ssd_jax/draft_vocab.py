@@ -70,6 +70,12 @@ class VocabMap:
         """The same distribution over the target vocabulary (zero outside the draft's)."""
         return to_target_vocab(draft_probs, jnp.asarray(self.to_draft), self.oov, 0.0)
 
+    def proposable(self, draft_logits: Float[Array, "*S Vd"]) -> Float[Array, "*S Vd"]:
+        """The draft's own logits with the OOV slot masked (it names no target token).
+        Proposals are drawn here, over the draft's vocabulary: the same distribution as over
+        the target's (zero elsewhere), at a fraction of the softmax / top-k / Gumbel work."""
+        return jnp.where(jnp.arange(draft_logits.shape[-1]) == self.oov, -jnp.inf, draft_logits)
+
     # JSON-friendly form, stored in the orbax checkpoint's `extra` (to_draft is derived).
     def to_dict(self) -> dict:
         return {"to_target": self.to_target[:-1].tolist(), "target_vocab_size": self.target_size}
@@ -86,6 +92,34 @@ class VocabMap:
     def __eq__(self, other) -> bool:
         return (isinstance(other, VocabMap) and np.array_equal(self.to_draft, other.to_draft)
                 and np.array_equal(self.to_target, other.to_target))
+
+
+@dataclass(frozen=True)
+class SameVocab:
+    """The identity map of a pair that shares one vocabulary: every method is a no-op, so the
+    draft side has no `vocab is None` branches and pays no gather."""
+
+    size: int
+
+    @property
+    def draft_size(self) -> int:
+        return self.size
+
+    @property
+    def target_size(self) -> int:
+        return self.size
+
+    def draft_ids(self, target_ids: Int[Array, "*S"]) -> Int[Array, "*S"]:
+        return target_ids
+
+    def target_ids(self, draft_ids: Int[Array, "*S"]) -> Int[Array, "*S"]:
+        return draft_ids
+
+    def target_probs(self, draft_probs: Float[Array, "*S V"]) -> Float[Array, "*S V"]:
+        return draft_probs
+
+    def proposable(self, draft_logits: Float[Array, "*S V"]) -> Float[Array, "*S V"]:
+        return draft_logits
 
 
 def to_target_vocab(values: Float[Array, "*S Vd"], to_draft: Int[Array, " Vt"], oov: int,

@@ -16,18 +16,17 @@ from typing import Iterator
 import jax
 
 from ssd_jax import autotune
-from ssd_jax.ar import ar_loop
-from ssd_jax.batch import Batch, make_batch, round_up
+from ssd_jax.core.batch import Batch, make_batch, padded_shape, round_up
+from ssd_jax.core.metrics import RunMetrics
+from ssd_jax.core.rounds import DraftSide, TargetSide, ar_loop, sd_loop, ssd_loop
+from ssd_jax.core.runner import ModelRunner
+from ssd_jax.core.transport import LocalLink
 from ssd_jax.config import EngineConfig, SamplingParams, SpecConfig
 from ssd_jax.loading import describe, load, pair_vocab, vocab_from_extra
 from ssd_jax.loading.tokenizer import Tokenizer
-from ssd_jax.metrics import RunMetrics
 from ssd_jax.models.transformer import Transformer
 from ssd_jax.prompts import check_fits
-from ssd_jax.runner import ModelRunner
-from ssd_jax.sd import sd_loop
 from ssd_jax.sharding import split_devices
-from ssd_jax.ssd import Placement, ssd_loop
 
 log = logging.getLogger(__name__)
 Shapes = tuple[int, int, int]  # (padded batch, prompt bucket, cache length)
@@ -160,7 +159,7 @@ class Engine:
             self.pool.close()
 
     def _workers(self):
-        from ssd_jax.pool import WorkerPool
+        from ssd_jax.runtime.pool import WorkerPool
         if self.pool is None:
             self.pool = WorkerPool(self.paths[0], self.paths[1], dtype=self.dtype,
                                    devices_per_worker=self.config.worker_devices)
@@ -229,8 +228,7 @@ class Engine:
         """The run's settings and the shapes it compiles for; raises when it does not fit."""
         fits = (self.config, self.model_config.max_position_embeddings)
         check_fits(ids, params, mode, *fits)  # batch size and context, before any measuring
-        rows = 1 << (len(ids) - 1).bit_length()  # make_batch pads to a power of two
-        prompt = round_up(max(len(t) for t in ids), self.config.prefill_bucket)
+        rows, prompt = padded_shape([len(t) for t in ids], self.config.prefill_bucket)
         spec, choice = self._spec_for(spec, mode, rows)
         need = check_fits(ids, params, mode, *fits, k=spec.k or 0)
         # Speculative modes write K+1 slots past the committed length each round.
@@ -257,7 +255,6 @@ class Engine:
             yield from self._run_in_workers(ids, params, stops, mode, seq_len, spec, metrics)
             return
         batch = make_batch(ids, params, stops, self.config.prefill_bucket)
-        assert batch.tokens.shape == (rows, prompt), "shapes() must match what make_batch pads"
         metrics = RunMetrics(mode=mode, batch=len(ids), sync_phases=sync_phases,
                              k=spec.k if mode != "ar" else 0, settings=settings)
         for chunk in self._decode_here(batch, mode, spec, metrics, seq_len):
@@ -284,20 +281,17 @@ class Engine:
     def _decode_here(self, batch: Batch, mode: str, spec: SpecConfig, metrics: RunMetrics,
                      seq_len: int) -> Iterator[list[list[int]]]:
         """The decode loop of `mode` in this process, on the device split if there is one."""
-        if self.split is not None:
-            batch = batch.place(self.split.target_replicated)
-        cache = self.runner.new_cache(batch.size, seq_len)
+        link = LocalLink() if self.split is None else LocalLink(
+            self.split.target_replicated, self.split.draft_replicated)
+        target = TargetSide(self.runner, batch.place(link.target),
+                            self.runner.new_cache(batch.size, seq_len))
         if mode == "ar":
-            chunks = ar_loop(self.runner, batch, cache, metrics, self.config.sync_every)
-        elif mode == "sd":
-            draft_cache = self.sd_draft_runner.new_cache(batch.size, seq_len)
-            chunks = sd_loop(self.runner, self.sd_draft_runner, self.vocab, batch, cache,
-                             draft_cache, spec.k, metrics, self.config.sync_every)
-        else:
-            draft_cache = self.draft_runner.new_cache(batch.size, seq_len)
-            placement = Placement() if self.split is None else Placement(
-                self.split.target_replicated, self.split.draft_replicated)
-            chunks = ssd_loop(self.runner, self.draft_runner, self.vocab, batch, cache,
-                              draft_cache, spec, metrics, self.config.sync_every,
-                              placement=placement, backup=spec.backup)
-        return chunks
+            return ar_loop(target, metrics, self.config.sync_every)
+        if mode == "sd":
+            draft = self.sd_draft_runner
+            return sd_loop(target, draft, self.vocab, draft.new_cache(batch.size, seq_len),
+                           metrics, self.config.sync_every)
+        draft = DraftSide.create(self.draft_runner, self.vocab, batch.place(link.draft), spec,
+                                 seq_len, link.to_draft)
+        return ssd_loop(target, draft, link, metrics, self.config.sync_every,
+                        timed=metrics.sync_phases)

@@ -15,7 +15,7 @@ from ssd_jax import autotune
 from ssd_jax.config import EngineConfig, SamplingParams, SpecConfig
 from ssd_jax.engine import Engine, Shapes
 from ssd_jax.loading.tokenizer import Tokenizer
-from ssd_jax.metrics import RunMetrics
+from ssd_jax.core.metrics import RunMetrics
 from ssd_jax.models.transformer import Transformer
 from ssd_jax.prompts import Prompt, Prompts, prompt_kind, short
 

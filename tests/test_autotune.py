@@ -55,7 +55,7 @@ def test_choice_follows_the_costs():
 
 def test_acceptance_is_recovered_from_accept_lengths():
     """Rounds drawn from the capped-geometric law give back its a."""
-    from ssd_jax.fanout import geometric_probs
+    from ssd_jax.core.fanout import geometric_probs
     for a, k in ((0.3, 2), (0.8, 4), (0.95, 3)):
         hist = np.round(geometric_probs(a, k) * 1e6)
         assert autotune.acceptance_from_rounds(hist) == pytest.approx(a, abs=1e-3)

@@ -75,6 +75,31 @@ def test_plots_and_readme_section(run, tmp_path):
     assert f"{ar['decode_tok_s']:.1f}" in text and "transformers assisted" in text
 
 
+def test_automatic_k_with_a_grid_sweep_beside_it(pair, tmp_path, monkeypatch):
+    """--k auto: SD and SSD cells carry the engine's choice (K, M, its prediction) and make the
+    summary; the K x M grid's cells sit beside them; greedy outputs stay the target's."""
+    import ssd_jax.autotune as autotune
+    monkeypatch.setattr(autotune, "store_path", lambda cache_dir=None: tmp_path / "tune.json")
+    argv = ["--mode", "all", "--target", pair[0], "--draft", pair[1], "--suite", "code",
+            "--num-prompts", "2", "--output-len", "12", "--k", "auto", "--grid",
+            "--sweep-k", "1,2", "--sweep-budget", "2,6", "--driver", "single", "--no-progress",
+            "--json", str(tmp_path / "r.json")]
+    assert main(argv) == 0
+    res = json.loads((tmp_path / "r.json").read_text())
+    auto = [c for c in res["cells"] if c.get("automatic")]
+    assert {c["mode"] for c in auto} == {"sd", "ssd"}
+    for c in auto:
+        assert c["k"] >= 1 and c["settings"]["predicted_tok_s"] > 0
+    grid = {(c["k"], c["budget"]) for c in res["cells"] if c["mode"] == "ssd"
+            and not c.get("automatic")}
+    assert grid == {(1, 2), (1, 6), (2, 6)}  # (2, 2) has fewer branches than K+1: skipped
+    ar = next(c for c in res["cells"] if c["mode"] == "ar")["outputs"]
+    assert all(c["outputs"] == ar for c in res["cells"])
+    from bench.results import is_base
+    base = [c for c in res["cells"] if is_base(c, res["base"])]
+    assert sorted(c["mode"] for c in base) == ["ar", "sd", "ssd"]
+
+
 # ------------------------------------------------------------------ suites
 @pytest.mark.parametrize("name", suites.SUITES)
 def test_suites_are_deterministic_and_large(name):
@@ -137,6 +162,8 @@ def test_math_answers():
 @pytest.mark.parametrize("argv, needle", [
     (["--suite", "poetry"], "unknown suite 'poetry': use one of code, math, instructions, chat"),
     (["--k", "0"], "K=0 is invalid: lookahead must be >= 1"),
+    (["--k", "four"], "'four' is not a lookahead: give an integer or auto"),
+    (["--grid", "--sweep-k", "2"], "--grid needs both --sweep-k and --sweep-budget"),
     (["--k", "4", "--budget", "3"], "budget 3 is smaller than K+1=5"),
     (["--target-devices", "64", "--draft-devices", "64"], "lower the split"),
     (["--sweep-k", "2,x"], "comma-separated list"),

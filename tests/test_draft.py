@@ -13,7 +13,7 @@ from ssd_jax.loading import orbax_ckpt
 from ssd_jax.loading.registry import SHIPPED
 from ssd_jax.models.attention import causal_mask
 from ssd_jax.models.transformer import KVCache, Transformer
-from ssd_jax.runner import ModelRunner, forward
+from ssd_jax.core.runner import ModelRunner, forward
 
 V_TARGET = 100
 KEEP = [3, 7, 0, 42, 99, 15, 8]  # draft ids 0..6 in this order, OOV = 7

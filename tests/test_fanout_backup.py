@@ -4,9 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ssd_jax.backup import append_tokens, ngram_propose
-from ssd_jax.fanout import FanoutModel, allocate, geometric_probs, theorem_fanout
-from ssd_jax.speed import BackupChooser, ssd_speedup
+from ssd_jax.core.backups import append_tokens, ngram_propose
+from ssd_jax.core.fanout import FanoutModel, allocate, geometric_probs, theorem_fanout
+from ssd_jax.core.speed import BackupChooser, ssd_speedup
 
 
 @pytest.mark.parametrize("budget", [4, 7, 12, 30])

@@ -18,7 +18,7 @@ import torch
 from ssd_jax.loading import load
 from ssd_jax.loading.weights import named_weights
 from ssd_jax.models import causal_mask
-from ssd_jax.runner import ModelRunner
+from ssd_jax.core.runner import ModelRunner
 from tests.oracles import BLOCKS, QK_K, Q, dequantize, f16
 
 

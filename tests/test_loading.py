@@ -9,7 +9,7 @@ from ssd_jax.convert import main as convert_main
 from ssd_jax.loading import load
 from ssd_jax.loading.gguf_loader import unpermute_qk
 from ssd_jax.models import causal_mask
-from ssd_jax.runner import ModelRunner
+from ssd_jax.core.runner import ModelRunner
 
 
 def _logits(model, ids):

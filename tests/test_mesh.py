@@ -155,7 +155,7 @@ def test_split_gives_the_draft_whole_hosts():
 
 def test_distributed_start_up_reads_the_environment():
     import pytest
-    from ssd_jax.distributed import ClusterEnv, detect
+    from ssd_jax.runtime.distributed import ClusterEnv, detect
     assert detect({}) is None
     assert detect({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}) is None  # one task: single process
     env = {"SSD_JAX_COORDINATOR": "10.0.0.1:1234", "SSD_JAX_NUM_PROCESSES": "4",
@@ -191,7 +191,7 @@ def test_llm_leaves_multihost_start_up_to_the_caller(tiny_llama, monkeypatch):
 MULTIHOST = textwrap.dedent('''
     import json
     import os
-    from ssd_jax import distributed
+    from ssd_jax.runtime import distributed
     assert distributed.initialize()  # from SSD_JAX_* in the environment, before any JAX use
     import jax
     import numpy as np

@@ -7,7 +7,7 @@ import torch
 
 from ssd_jax.loading import load
 from ssd_jax.models import KVCache, causal_mask, commit
-from ssd_jax.runner import ModelRunner
+from ssd_jax.core.runner import ModelRunner
 
 
 def _torch_logits(model, ids):

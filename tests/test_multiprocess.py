@@ -7,7 +7,7 @@ import pytest
 
 from ssd_jax import LLM, EngineConfig, SamplingParams
 from ssd_jax.config import SpecConfig
-from ssd_jax.pool import WorkerError
+from ssd_jax.runtime.pool import WorkerError
 from tests.conftest import save_noisy_draft
 
 PROMPTS = [[5, 9, 11], list(range(20, 39)), [7] * 8]

@@ -7,6 +7,7 @@ import zipfile
 import numpy as np
 import pytest
 
+from ssd_jax.draft_vocab import SameVocab
 from ssd_jax.loading import check_same_vocabulary, describe, packaged
 from ssd_jax.loading.gguf_loader import open_gguf, read_header
 from tests.oracles import read_metadata
@@ -122,7 +123,7 @@ def test_vocabulary_padding_is_accepted_and_other_tokenizers_refused():
     real = [chr(ord("a") + i) for i in range(20)]
     big, small = _cfg(32), _cfg(24)  # the same 20 tokens, padded to 32 and to 24 rows
     tok = _tokenizer(real)
-    assert check_same_vocabulary(big, tok, big, _tokenizer(real)) is None
+    assert check_same_vocabulary(big, tok, big, _tokenizer(real)) == SameVocab(big.vocab_size)
     vmap = check_same_vocabulary(big, tok, small, _tokenizer(real + ["[PAD20]", "[PAD21]"]))
     assert vmap.target_size == 32 and vmap.draft_size == 24
     np.testing.assert_array_equal(vmap.to_target[:23], np.arange(23))  # identity on real ids

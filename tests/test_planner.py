@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from bench.plan import main as plan_main
-from ssd_jax.fanout import geometric_probs
+from ssd_jax.core.fanout import geometric_probs
 from ssd_jax.loading.hf import config_from_hf
 from ssd_jax.models.transformer import KVCache, Transformer
 from ssd_jax.plan import (HF_CONFIGS, Assumptions, LayoutError, Setup, check_fits,

@@ -110,7 +110,7 @@ def test_sampled_sd_matches_target_distribution(vocab6, temperature, top_p):
 def test_distribution_test_has_teeth(vocab6, monkeypatch):
     """Plug in a wrong rule (recovery sampled from p instead of the residual): the same test
     must reject it."""
-    import ssd_jax.verify as verify_mod
+    import ssd_jax.core.verify as verify_mod
     target, draft, hf_target = vocab6
     monkeypatch.setattr(verify_mod, "_recovery_weights",
                         lambda p_k, q_k, s_k, point_mass: p_k)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from ssd_jax import sampling
-from ssd_jax import verify as verify_mod
+from ssd_jax.core import verify as verify_mod
 from tests.oracles import P_MIN, chi2_pvalue
 
 V, K, N = 4, 2, 100_000

@@ -362,7 +362,7 @@ def onpolicy_batch(target_runner, draft, prompts: list[list[int]], cfg: DataConf
                    temperature: float, stop_ids: np.ndarray, seed: int) -> dict:
     """The draft answers `prompts` (target ids); the target labels prompt + answer teacher-forced.
     Returns the arrays of one shard (see the module docstring)."""
-    from ssd_jax.runner import ModelRunner
+    from ssd_jax.core.runner import ModelRunner
 
     # The draft runs in its own vocabulary (8k ids, not the target's 49k: its head and the
     # sampling stay small); its tokens map back to target ids.

@@ -28,7 +28,7 @@ from ssd_jax.config import EngineConfig, SamplingParams
 from ssd_jax.distill.prompts import held_out_prompts
 from ssd_jax.draft_vocab import DraftModel
 from ssd_jax.models.attention import causal_mask
-from ssd_jax.runner import ModelRunner, forward
+from ssd_jax.core.runner import ModelRunner, forward
 
 
 def match_stats(matches: list[np.ndarray], K: int) -> dict:

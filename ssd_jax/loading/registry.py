@@ -112,7 +112,7 @@ def load(name_or_path: str | Path, *, dtype: str = "float32", cache_dir: Path | 
 
 def check_same_vocabulary(target: ModelConfig, target_tok: Tokenizer | None,
                           draft: ModelConfig, draft_tok: Tokenizer | None):
-    """None when the draft speaks the target's ids as they are; a `VocabMap` when only the
+    """`SameVocab` when the draft speaks the target's ids as they are; a `VocabMap` when only the
     vocabulary's padding differs (Qwen2.5's 151,936 rows in small models, 152,064 in large
     ones: the same 151,665 tokens); a ValueError when the tokenizers differ."""
     def refuse(why: str):
@@ -125,7 +125,8 @@ def check_same_vocabulary(target: ModelConfig, target_tok: Tokenizer | None,
             raise refuse(f"{len(diff)} tokens differ, e.g. {diff[0][0]!r} is id {diff[0][1]} in "
                          "one of them")
     if draft.vocab_size == target.vocab_size:
-        return None
+        from ssd_jax.draft_vocab import SameVocab
+        return SameVocab(target.vocab_size)
     if target_tok is None or draft_tok is None:
         raise ValueError(
             f"draft vocabulary ({draft.vocab_size}) differs from the target's "
@@ -155,7 +156,7 @@ def vocab_from_extra(extra: dict):
 
 def pair_vocab(target: tuple, draft: tuple):
     """The draft->target vocab map of a pair, from their `describe` triples: the one stored with
-    a truncated-vocabulary draft, an identity that drops vocabulary padding, or None (same ids).
+    a truncated-vocabulary draft, an identity that drops vocabulary padding, or SameVocab (same ids).
     Raises when the two tokenizers differ."""
     (t_config, t_tok, _), (d_config, d_tok, extra) = target, draft
     vocab = vocab_from_extra(extra)

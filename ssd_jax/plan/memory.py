@@ -22,7 +22,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ssd_jax.config import ModelConfig
-from ssd_jax.draft import SpecCache
+from ssd_jax.core.draft import SpecCache
 from ssd_jax.loading.weights import abstract_model
 from ssd_jax.models.transformer import KVCache
 from ssd_jax.sharding import TP, kv_spec, spec_for

@@ -92,7 +92,7 @@ def initialize(env: Mapping[str, str] | None = None) -> bool:
         if "before any JAX" in str(e) or "already" in str(e):
             raise RuntimeError(
                 f"this looks like a multi-process job ({cluster.source}) but JAX was already "
-                f"used in this process: call ssd_jax.distributed.initialize() first thing, or "
+                f"used in this process: call ssd_jax.runtime.distributed.initialize() first thing, or "
                 f"set SSD_JAX_DISTRIBUTED=0 to run single-process") from e
         raise
     return True

@@ -9,14 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ssd_jax.config import SamplingParams
-from ssd_jax.runner import RowSampling
+from ssd_jax.core.rows import Requests, RowSampling
 
 
 def round_up(x: int, multiple: int) -> int:
     return int(math.ceil(x / multiple) * multiple)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Batch:
     """Rows 0..n-1 are real requests; the rest pad the batch to a power of two (copies of row 0
     that stop after one token), so batches of 3 and 4 share one compiled program."""
@@ -24,9 +24,7 @@ class Batch:
     n: int
     tokens: jax.Array  # [B, T] right-padded prompts, T a multiple of the prefill bucket
     prompt_len: jax.Array  # [B]
-    sampling: RowSampling
-    stop_ids: jax.Array  # [B, S], -1 padded
-    max_new: jax.Array  # [B]
+    req: Requests  # sampling, stop ids, budgets per row
     greedy_only: bool  # every row greedy: programs skip softmax and randomness entirely
     max_steps: int  # the largest max_new_tokens of a real row
 
@@ -37,9 +35,17 @@ class Batch:
     def place(self, sharding) -> "Batch":
         """The batch's arrays put on `sharding` explicitly, so the decode programs never move
         them implicitly (a run under jax.transfer_guard("disallow") stays legal)."""
-        return replace(self, **jax.device_put(
-            dict(tokens=self.tokens, prompt_len=self.prompt_len, sampling=self.sampling,
-                 stop_ids=self.stop_ids, max_new=self.max_new), sharding))
+        if sharding is None:
+            return self
+        tokens, prompt_len, req = jax.device_put((self.tokens, self.prompt_len, self.req),
+                                                 sharding)
+        return replace(self, tokens=tokens, prompt_len=prompt_len, req=req)
+
+
+def padded_shape(lengths: list[int], prefill_bucket: int) -> tuple[int, int]:
+    """(rows, prompt length) of a batch of prompts of these lengths: rows padded to a power of
+    two, prompts to a multiple of the prefill bucket (the shapes programs compile for)."""
+    return 1 << (len(lengths) - 1).bit_length(), round_up(max(lengths), prefill_bucket)
 
 
 def _seed(p: SamplingParams) -> int:
@@ -55,11 +61,10 @@ def _seed(p: SamplingParams) -> int:
 def make_batch(ids: list[list[int]], params: list[SamplingParams], stops: list[list[int]],
                prefill_bucket: int) -> Batch:
     n = len(ids)
-    B = 1 << (n - 1).bit_length()
+    B, T = padded_shape([len(t) for t in ids], prefill_bucket)
     ids = list(ids) + [ids[0]] * (B - n)
     params = list(params) + [SamplingParams(max_new_tokens=1, seed=0)] * (B - n)
     stops = list(stops) + [[]] * (B - n)
-    T = round_up(max(len(t) for t in ids), prefill_bucket)
     tokens = np.zeros((B, T), np.int32)
     for i, t in enumerate(ids):
         tokens[i, :len(t)] = t
@@ -72,9 +77,9 @@ def make_batch(ids: list[list[int]], params: list[SamplingParams], stops: list[l
         top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
         top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
         keys=jax.vmap(jax.random.key)(jnp.asarray([_seed(p) for p in params], jnp.uint32)))
+    req = Requests(sampling, jnp.asarray(stop_ids),
+                   jnp.asarray([p.max_new_tokens for p in params], jnp.int32))
     return Batch(n=n, tokens=jnp.asarray(tokens),
-                 prompt_len=jnp.asarray([len(t) for t in ids], jnp.int32), sampling=sampling,
-                 stop_ids=jnp.asarray(stop_ids),
-                 max_new=jnp.asarray([p.max_new_tokens for p in params], jnp.int32),
+                 prompt_len=jnp.asarray([len(t) for t in ids], jnp.int32), req=req,
                  greedy_only=all(p.temperature == 0 for p in params[:n]),
                  max_steps=max(p.max_new_tokens for p in params[:n]))

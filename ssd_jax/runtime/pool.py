@@ -19,7 +19,7 @@ import tempfile
 import time
 from multiprocessing.connection import Listener
 
-from ssd_jax.metrics import metrics_from_dict
+from ssd_jax.core.metrics import SSDStats, metrics_from_dict
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +68,8 @@ class WorkerPool:
         atexit.register(self.close)
         try:
             for role, core in zip(("target", "draft"), self.cores):
-                cmd = [sys.executable, "-m", "ssd_jax.worker", "--role", role, "--address",
-                       address, "--coordinator", coordinator, "--target", self.target,
+                cmd = [sys.executable, "-m", "ssd_jax.runtime.worker", "--role", role,
+                       "--address", address, "--coordinator", coordinator, "--target", self.target,
                        "--draft", self.draft, "--dtype", self.dtype]
                 if core is not None:
                     cmd += ["--core", str(core)]
@@ -139,9 +139,7 @@ class WorkerPool:
             if ssd:
                 _, draft_stats = self._recv("draft")
                 if metrics.ssd is not None:
-                    metrics.ssd.build_s = draft_stats["build_s"]
-                    metrics.ssd.fanout = draft_stats["fanout"]
-                    metrics.ssd.backup = draft_stats["backup"]
+                    metrics.ssd.take_draft_side(SSDStats.from_dict(draft_stats))
             return metrics
         except GeneratorExit:
             # The caller stopped reading early (warmup, a closed stream): the workers still

@@ -1,7 +1,7 @@
 """A decode worker process: the target role (AR, SD and SSD's target side) or the draft role
-(SSD's draft side). Started and stopped by `ssd_jax.pool.WorkerPool`, never by hand:
+(SSD's draft side). Started and stopped by `ssd_jax.runtime.pool.WorkerPool`, never by hand:
 
-    python -m ssd_jax.worker --role target|draft --address HOST:PORT --coordinator HOST:PORT
+    python -m ssd_jax.runtime.worker --role target|draft --address HOST:PORT --coordinator HOST:PORT
                              --target MODEL --draft MODEL [--core N] [--dtype float32]
 
 The process pins itself to one core before JAX starts (XLA:CPU would otherwise spread every
@@ -28,7 +28,7 @@ def _die_with_parent() -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ssd_jax.worker")
+    ap = argparse.ArgumentParser(prog="python -m ssd_jax.runtime.worker")
     ap.add_argument("--role", choices=["target", "draft"], required=True)
     ap.add_argument("--address", required=True)
     ap.add_argument("--coordinator", required=True)
@@ -73,8 +73,8 @@ class _Server:
         from ssd_jax.sharding import TP
         from ssd_jax.loading import pair_vocab
         from ssd_jax.loading import describe, load
-        from ssd_jax.multihost import Exchange
-        from ssd_jax.runner import ModelRunner
+        from ssd_jax.core.transport import Exchange
+        from ssd_jax.core.runner import ModelRunner
         self.role, self.conn = args.role, conn
         # This side's devices: every local device, tensor-parallel (a GPU host per side); with
         # one device the runners keep the plain single-device path.
@@ -124,35 +124,37 @@ class _Server:
         return time_scoring(runner, rows, tokens)
 
     def run(self, req: dict):
-        from ssd_jax.ar import ar_loop
-        from ssd_jax.batch import make_batch
+        """One request: this side's loop of the mode, over the same core functions as the
+        single-process driver; the transport is a collective with the other worker."""
         from ssd_jax.config import SamplingParams, SpecConfig
-        from ssd_jax.metrics import RunMetrics
-        from ssd_jax.multihost import draft_loop, target_loop
-        from ssd_jax.sd import sd_loop
+        from ssd_jax.core.batch import make_batch
+        from ssd_jax.core.metrics import RunMetrics
+        from ssd_jax.core.rounds import DraftSide, TargetSide, ar_loop, sd_loop, ssd_loop
+        from ssd_jax.core.transport import DRAFT, TARGET, CollectiveLink
         params = [SamplingParams(**p) for p in req["params"]]
         batch = make_batch(req["ids"], params, req["stops"], req["prefill_bucket"])
-        if self.replicated is not None:
-            batch = batch.place(self.replicated)
+        batch = batch.place(self.replicated)
         spec = SpecConfig(**req["spec"])
         mode, seq_len, sync_every = req["mode"], req["seq_len"], req["sync_every"]
-        if self.role == "draft":
-            stats = draft_loop(self.draft, self.vocab, batch,
-                               self.draft.new_cache(batch.size, seq_len), spec, sync_every,
-                               self.exchange, self.vocab_size, req["backup"])
-            return ("done", stats)
         metrics = RunMetrics(mode=mode, batch=batch.n, k=spec.k if mode != "ar" else 0,
                              sync_phases=True)
-        cache = self.target.new_cache(batch.size, seq_len)
+        if mode == "ssd":
+            link = CollectiveLink(self.exchange, DRAFT if self.role == "draft" else TARGET,
+                                  batch.size, spec.k, self.vocab_size, batch.greedy_only)
+        if self.role == "draft":
+            side = DraftSide.create(self.draft, self.vocab, batch, spec, seq_len,
+                                    self.exchange.place)
+            for _ in ssd_loop(None, side, link, metrics, sync_every, timed=True):
+                pass
+            return ("done", side.stats.to_dict())
+        target = TargetSide(self.target, batch, self.target.new_cache(batch.size, seq_len))
         if mode == "ar":
-            chunks = ar_loop(self.target, batch, cache, metrics, sync_every)
+            chunks = ar_loop(target, metrics, sync_every)
         elif mode == "sd":
-            chunks = sd_loop(self.target, self.draft, self.vocab, batch, cache,
-                             self.draft.new_cache(batch.size, seq_len), spec.k, metrics,
-                             sync_every)
+            chunks = sd_loop(target, self.draft, self.vocab,
+                             self.draft.new_cache(batch.size, seq_len), metrics, sync_every)
         else:
-            chunks = target_loop(self.target, batch, cache, spec, metrics, sync_every,
-                                 self.exchange, self.vocab_size)
+            chunks = ssd_loop(target, None, link, metrics, sync_every, timed=True)
         for chunk in chunks:
             self.conn.send(("chunk", chunk))
         return ("done", metrics.to_dict())

@@ -1,0 +1,230 @@
+"""SSD's draft side: while the target verifies [r, s_1..s_K] at positions L..L+K, the draft
+pre-speculates the next round for the likeliest outcomes (build), then, told the outcome, hands
+over the matching speculation or a backup's (select).
+
+build:
+  glue:  scores the same K+1 tokens -> g_0..g_K, g_j = the draft's next-token distribution after
+         r, s_1..s_j (its K/V is committed to the draft cache: the accepted part is needed);
+  fork:  at glue position j takes the top-F_j tokens x, excluding s_{j+1} for j < K (a rejected
+         token is never the recovery token: at T=0 it differs from argmax p, at T>0 the
+         residual max(0, p - q') is zero there). Branch (j, x) is the outcome "j accepted, the
+         target emitted x"; F_j comes from the fan-out (fanout.py);
+  tree:  decodes K tokens for all M branches at once. Branch (j, x) sits at positions L+j+1..
+         and sees the committed prefix (< L), glue tokens 0..j and its own tokens, never its
+         siblings. Glue and branch K/V stay in the attention's new-token block (`extra`), so the
+         cache is only read inside this program and nothing speculative is ever written to it.
+select: advance the rows by the outcome (the same `advance` as the target's), look (n, t) up in
+  the cache: a hit hands over the cached branch, a miss the backup's (backups.py).
+Every speculated token is drawn from q' = Saguaro-rescaled process_probs(draft logits) and q'
+is kept, because verification must use the exact distribution a token came from.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from ssd_jax.core.backups import NeuralBackup, append_tokens
+from ssd_jax.core.rows import Requests, RowState, advance, start_rows
+from ssd_jax.core.speculation import Outcome, Saguaro, Speculation, propose
+from ssd_jax.models.attention import causal_mask
+from ssd_jax.models.transformer import KVCache, commit
+
+NEG_INF = -1e30
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """The draft side's static settings (hashable: a static argument of its programs)."""
+
+    graphdef: object  # the draft model's nnx graph
+    vocab: object  # draft_vocab.VocabMap or SameVocab
+    k: int  # lookahead
+    budget: int  # branches per row M
+    greedy_only: bool
+    c: float = 1.0  # Saguaro's C
+    backup: object = NeuralBackup()  # backups.NeuralBackup() | FastBackup()
+
+    @property
+    def fmax(self) -> int:
+        """The most fork candidates any glue position can take."""
+        return min(self.budget, self.vocab.draft_size)
+
+
+class FanLists(NamedTuple):
+    """F_0..F_K per row (fanout.py), updated between chunks of rounds: `primary` for rows whose
+    speculation came from the draft, `after_fast` for rows holding fast-backup guesses."""
+
+    primary: Int[Array, "B K1"]
+    after_fast: Int[Array, "B K1"]
+
+
+class DraftState(NamedTuple):
+    """The draft side between rounds. `spec` is the speculation the target is verifying."""
+
+    rows: RowState  # advanced with the same function as the target's copy
+    cache: KVCache  # valid through the glue of the last built round
+    history: Int[Array, "B S"]  # each row's tokens so far, for the n-gram backup
+    spec: Speculation  # with q over the draft vocabulary
+    fan: FanLists
+
+
+class SpecCache(NamedTuple):
+    """Speculations for every pre-speculated outcome of the round being verified.
+
+    branch_j [B, M]: accept length the branch assumes (-1: empty slot, never hit);
+    fork_tok [B, M]: the recovery/bonus token it assumes; tokens [B, M, K]: its speculation;
+    q [B, M, K, Vd]: the distributions they were drawn from, over the draft's vocabulary (None
+    when all greedy); cand [B, K+1, F]: glue candidates by rank (hit-rate-vs-F statistics).
+    """
+
+    branch_j: Int[Array, "B M"]
+    fork_tok: Int[Array, "B M"]
+    tokens: Int[Array, "B M K"]
+    q: Float[Array, "B M K Vd"] | None
+    cand: Int[Array, "B K1 F"]
+
+
+def empty_cache(cfg: DraftConfig, batch: int) -> SpecCache:
+    """The cache before the first round: no branch can hit."""
+    B, M, K = batch, cfg.budget, cfg.k
+    q = None if cfg.greedy_only else jnp.zeros((B, M, K, cfg.vocab.draft_size), jnp.float32)
+    return SpecCache(jnp.full((B, M), -1, jnp.int32), jnp.full((B, M), -1, jnp.int32),
+                     jnp.zeros((B, M, K), jnp.int32), q, jnp.full((B, K + 1, 1), -1, jnp.int32))
+
+
+def branch_layout(fan: Int[Array, "B K1"], m: int) -> tuple[Int[Array, "B M"], Int[Array, "B M"]]:
+    """Branch slot -> (glue position j, rank among that position's candidates)."""
+    ends = jnp.cumsum(fan, axis=-1)  # [B, K+1]
+    slot = jnp.arange(m)
+    j = jnp.sum(ends[:, None, :] <= slot[None, :, None], axis=-1)  # [B, M]
+    j = jnp.minimum(j, fan.shape[1] - 1)
+    start = jnp.take_along_axis(ends - fan, j, axis=1)
+    return j.astype(jnp.int32), (slot[None, :] - start).astype(jnp.int32)
+
+
+def tree_mask(branch_j: Int[Array, "B M"], k: int, step: int) -> Bool[Array, "B M U"]:
+    """Step `step` (0-based) of the tree decode: keys are glue (K+1) then the branch tokens of
+    steps 0..step, M per step. A branch sees glue 0..j and its own column only."""
+    B, M = branch_j.shape
+    glue = jnp.arange(k + 1)[None, None, :] <= branch_j[:, :, None]
+    own = jnp.tile(jnp.eye(M, dtype=bool), (1, step + 1))
+    return jnp.concatenate([glue, jnp.broadcast_to(own, (B, M, M * (step + 1)))], axis=-1)
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def build_cache(cfg: DraftConfig, params, ds: DraftState, req: Requests
+                ) -> tuple[SpecCache, KVCache]:
+    """Glue decode + fork + tree decode over the speculation being verified. Returns the
+    speculation cache and the glue K/V (committed at rows.lengths by `build`)."""
+    model, vocab = nnx.merge(cfg.graphdef, params), cfg.vocab
+    spec, L = ds.spec.tokens, ds.rows.lengths
+    B, K = spec.shape
+    M, fmax = cfg.budget, cfg.fmax
+    fan = jnp.where(ds.spec.point_mass[:, None], ds.fan.after_fast, ds.fan.primary)
+    tokens = jnp.concatenate([ds.rows.last[:, None], spec], axis=1)
+    glue_logits, glue_kv = model(vocab.draft_ids(tokens), L[:, None] + jnp.arange(K + 1),
+                                 ds.cache, L, causal_mask(B, K + 1))
+    g = vocab.proposable(glue_logits)  # [B, K+1, Vd]
+
+    # Fork: exclude s_{j+1} at j < K, rank the rest by the draft's logits.
+    V = g.shape[-1]
+    excluded = jnp.concatenate([vocab.draft_ids(spec), jnp.full((B, 1), -1, spec.dtype)], axis=1)
+    g_fork = jnp.where(jnp.arange(V)[None, None, :] == excluded[:, :, None], NEG_INF, g)
+    cand = vocab.target_ids(jax.lax.top_k(g_fork, fmax)[1].astype(jnp.int32))  # [B, K+1, F]
+    branch_j, rank = branch_layout(fan, M)
+    fork_tok = jnp.take_along_axis(cand.reshape(B, -1), branch_j * fmax + rank, axis=1)
+
+    # Tree decode: K steps for all M branches; glue and earlier branch K/V ride in `extra`.
+    x, pos, extra = fork_tok, L[:, None] + branch_j + 1, glue_kv
+    toks, qs = [], []
+    saguaro = Saguaro(fan, cfg.c, fmax)
+    for step in range(K):
+        logits, kv = model(vocab.draft_ids(x), pos, ds.cache, L, tree_mask(branch_j, K, step),
+                           extra=extra)
+        x, q = propose(logits, req, pos + 1, vocab, cfg.greedy_only, (fan[:, step], saguaro))
+        toks.append(x)
+        qs.append(q)
+        extra = jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), extra, kv)
+        pos = pos + 1
+    q = None if cfg.greedy_only else jnp.stack(qs, axis=2)
+    return SpecCache(branch_j, fork_tok, jnp.stack(toks, axis=2), q, cand), glue_kv
+
+
+def build(draft, cfg: DraftConfig, ds: DraftState, req: Requests
+          ) -> tuple[SpecCache, DraftState]:
+    """The draft's work during a verification, with `draft` a ModelRunner."""
+    tree, glue_kv = build_cache(cfg, draft.params, ds, req)
+    return tree, ds._replace(cache=commit(ds.cache, glue_kv, ds.rows.lengths))
+
+
+def _lookup(cfg: DraftConfig, tree: SpecCache, outcome: Outcome):
+    n, t = outcome
+    match = (tree.branch_j == n[:, None]) & (tree.fork_tok == t[:, None]) & (tree.branch_j >= 0)
+    m = jnp.argmax(match, axis=1)
+    tokens = jnp.take_along_axis(tree.tokens, m[:, None, None], axis=1)[:, 0]
+    q = None if cfg.greedy_only else jnp.take_along_axis(tree.q, m[:, None, None, None],
+                                                         axis=1)[:, 0]
+    # The rank of t among the glue candidates at n (fmax when absent): the fan-out's fit.
+    cand_n = jnp.take_along_axis(tree.cand, jnp.clip(n, 0)[:, None, None], axis=1)[:, 0]
+    found = cand_n == t[:, None]
+    rank = jnp.where(jnp.any(found, 1), jnp.argmax(found, 1), cfg.fmax)
+    return jnp.any(match, axis=1), tokens, q, rank
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def select(cfg: DraftConfig, params, ds: DraftState, tree: SpecCache | None,
+           outcome: Outcome | None, req: Requests
+           ) -> tuple[DraftState, Speculation, Int[Array, " B"]]:
+    """The next speculation per row: the cached branch for outcome (n, t) on a hit, else the
+    backup's. tree=None: the first speculation after prefill (the rows are already at r).
+    Returns the new state (its spec, q over the draft vocabulary), the speculation for the
+    target (q over the target vocabulary) and each row's rank (see _lookup)."""
+    rows, history = ds.rows, ds.history
+    if tree is None:
+        tree = empty_cache(cfg, rows.last.shape[0])
+        outcome = Outcome(jnp.full_like(rows.last, -1), rows.last)
+    else:
+        rows, out = advance(ds.rows, ds.spec.tokens, outcome.n, outcome.t, req)
+        # The emitted tokens s_1..s_n, t* land at positions L+1.. of the history.
+        history = append_tokens(history, ds.rows.lengths + 1, out,
+                                jnp.where(ds.rows.done, 0, outcome.n + 1))
+    ds = ds._replace(rows=rows, history=history)
+    hit, hit_tokens, hit_q, rank = _lookup(cfg, tree, outcome)
+    b_tokens, b_q, point_mass = cfg.backup.propose(nnx.merge(cfg.graphdef, params), cfg, ds,
+                                                   req, hit)
+    tokens = jnp.where(hit[:, None], hit_tokens, b_tokens)
+    q = None if cfg.greedy_only else jnp.where(hit[:, None, None], hit_q, b_q)
+    spec = Speculation(tokens, q, point_mass & ~hit, hit)
+    target_q = None if q is None else cfg.vocab.target_probs(q)
+    return ds._replace(spec=spec), spec._replace(q=target_q), rank
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def _first_state(cfg: DraftConfig, prompt: tuple[Int[Array, "B T"], Int[Array, " B"]],
+                 first: Int[Array, " B"], req: Requests, fan: FanLists, cache: KVCache
+                 ) -> DraftState:
+    (tokens, prompt_len), (B, T) = prompt, prompt[0].shape
+    rows = start_rows(tokens, prompt_len, first, req)
+    history = jnp.zeros((B, cache.seq_len), jnp.int32).at[:, :T].set(tokens)
+    history = history.at[jnp.arange(B), rows.lengths].set(rows.last)
+    q = None if cfg.greedy_only else jnp.zeros((B, cfg.k, cfg.vocab.draft_size), jnp.float32)
+    no = jnp.zeros_like(rows.done)
+    placeholder = Speculation(jnp.zeros((B, cfg.k), jnp.int32), q, no, no)
+    return DraftState(rows, cache, history, placeholder, fan)
+
+
+def start(draft, cfg: DraftConfig, batch, first: Int[Array, " B"], cache: KVCache,
+          fan: FanLists) -> tuple[DraftState, Speculation]:
+    """After the target's prefill sampled `first`: the draft's prefill, its copy of the rows
+    (rows.start_rows, as in the target's prefill) and the first speculation (a backup's).
+    Everything is built inside programs, on the devices of the draft's inputs."""
+    cache = draft.fill(cfg.vocab.draft_ids(batch.tokens), cache)
+    ds = _first_state(cfg, (batch.tokens, batch.prompt_len), first, batch.req, fan, cache)
+    ds, spec, _ = select(cfg, draft.params, ds, None, None, batch.req)
+    return ds, spec

@@ -1,0 +1,98 @@
+"""The rows of a decode batch: what each request asked for, the state every mode advances, the
+key scheme, and the bookkeeping after a step or a round.
+
+AR is the K = 0 case of a speculative round: feed r, emit one token. So one state type and one
+`advance` serve AR, SD and SSD, and the target and the draft side of SSD advance their copies of
+the rows with the same function on the same outcome, agreeing on lengths and on when every row
+is done without any other message.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int, Key
+
+# Key streams per row: target sampling, draft proposals and verification draw independent
+# randomness, each indexed by position so a row's samples do not depend on its neighbours.
+SAMPLE_STREAM, DRAFT_STREAM, VERIFY_STREAM = 10, 11, 12
+
+
+class RowSampling(NamedTuple):
+    """Per-row sampling settings as device arrays, so one compiled step serves any mix."""
+
+    temperature: Float[Array, " B"]
+    top_k: Int[Array, " B"]
+    top_p: Float[Array, " B"]
+    keys: Key[Array, " B"]  # one base key per request; see row_keys
+
+
+class Requests(NamedTuple):
+    """What each row asked for, on the devices of the side that reads it."""
+
+    sampling: RowSampling
+    stop_ids: Int[Array, "B S"]  # -1 padded
+    max_new: Int[Array, " B"]
+
+
+class RowState(NamedTuple):
+    """Device-side state of the rows between steps (AR) or rounds (SD, SSD).
+
+    prev: the token at position lengths-1 (committed). last: the newest emitted token r, at
+    position `lengths`, not yet in any cache. generated: tokens emitted so far (r included).
+    done: a stop token was emitted or the budget reached; the row's length is frozen.
+    """
+
+    prev: Int[Array, " B"]
+    last: Int[Array, " B"]
+    lengths: Int[Array, " B"]
+    generated: Int[Array, " B"]
+    done: Bool[Array, " B"]
+
+
+def row_keys(sampling: RowSampling, stream: int, positions: Int[Array, " B"]) -> Key[Array, " B"]:
+    """The key of a row's draw at a position: a function of the request's seed alone."""
+    return jax.vmap(lambda k, p: jax.random.fold_in(jax.random.fold_in(k, stream), p))(
+        sampling.keys, positions)
+
+
+def is_stop(tokens: Int[Array, " B"], stop_ids: Int[Array, "B S"]) -> Bool[Array, " B"]:
+    return jnp.any(tokens[:, None] == stop_ids, axis=-1)
+
+
+def start_rows(tokens: Int[Array, "B T"], prompt_len: Int[Array, " B"], first: Int[Array, " B"],
+               req: Requests) -> RowState:
+    """The rows after prefill sampled `first` at position prompt_len (both sides build it)."""
+    prev = jnp.take_along_axis(tokens, (prompt_len - 1)[:, None], 1)[:, 0]
+    done = is_stop(first, req.stop_ids) | (req.max_new <= 1)
+    return RowState(prev, first, prompt_len, jnp.ones_like(prompt_len), done)
+
+
+def emitted_tokens(drafts: Int[Array, "B K"], n: Int[Array, " B"], t: Int[Array, " B"]
+                   ) -> Int[Array, "B K1"]:
+    """s_1..s_n, t*, then -1 padding: the n+1 tokens a round emits."""
+    K = drafts.shape[1]
+    idx = jnp.arange(K + 1)[None]
+    padded = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
+    return jnp.where(idx < n[:, None], padded, jnp.where(idx == n[:, None], t[:, None], -1))
+
+
+def advance(rows: RowState, drafts: Int[Array, "B K"], n: Int[Array, " B"],
+            t: Int[Array, " B"], req: Requests) -> tuple[RowState, Int[Array, "B K1"]]:
+    """After a round that accepted n of the drafts and emitted t: the emitted tokens (-1 for
+    rows that were already done), stop/budget, the new length. K = 0 is an AR step."""
+    out = emitted_tokens(drafts, n, t)
+    hit_stop = jnp.any((out[:, :, None] == req.stop_ids[:, None, :]) & (out[:, :, None] >= 0),
+                       axis=(1, 2))
+    generated = rows.generated + n + 1
+    done = rows.done | hit_stop | (generated >= req.max_new)
+    prev = rows.last if drafts.shape[1] == 0 else jnp.where(
+        n == 0, rows.last, jnp.take_along_axis(drafts, jnp.maximum(n - 1, 0)[:, None], 1)[:, 0])
+    frozen = rows.done
+    new = RowState(prev=jnp.where(frozen, rows.prev, prev),
+                   last=jnp.where(frozen, rows.last, t),
+                   lengths=jnp.where(frozen, rows.lengths, rows.lengths + n + 1),
+                   generated=jnp.where(frozen, rows.generated, generated),
+                   done=done)
+    return new, jnp.where(frozen[:, None], -1, out)

@@ -1,0 +1,117 @@
+"""One model's parameters on its devices and the jitted programs every mode uses: prefill,
+the AR decode step, multi-token scoring, cache fill.
+
+The NNX model is split once into (graphdef, params); every program is a pure `jax.jit` function
+that merges them inside the trace, so a call costs a plain jit dispatch (no NNX graph walk on the
+host per step) and the graphdef, being hashable, is a static argument. Programs return new K/V
+rather than writing the cache: `commit` (donated, in place) writes it, so the big cache is only
+read inside a program (the XLA:CPU cache-copy trap, platform notes).
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from ssd_jax.config import ModelConfig
+from ssd_jax.core.rows import SAMPLE_STREAM, Requests, RowState, advance, row_keys, start_rows
+from ssd_jax.draft_vocab import DraftModel
+from ssd_jax.models.attention import causal_mask
+from ssd_jax.models.transformer import KVCache, Transformer, commit
+from ssd_jax.sampling import next_token
+
+
+def _merge(graphdef, params) -> Transformer | DraftModel:
+    return nnx.merge(graphdef, params)
+
+
+def _sample(logits: Float[Array, "B V"], req: Requests, positions: Int[Array, " B"]
+            ) -> Int[Array, " B"]:
+    s = req.sampling
+    return next_token(logits, s.temperature, s.top_k, s.top_p,
+                      row_keys(s, SAMPLE_STREAM, positions))
+
+
+@partial(jax.jit, static_argnames=("graphdef",))
+def forward(graphdef, params, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
+            cache: KVCache, prefix_len: Int[Array, " B"], mask: Bool[Array, "B T T"]
+            ) -> tuple[Float[Array, "B T V"], KVCache]:
+    """Score T new tokens per row after the committed prefix (step costs, tests)."""
+    return _merge(graphdef, params)(tokens, positions, cache, prefix_len, mask)
+
+
+@partial(jax.jit, static_argnames=("graphdef",))
+def fill_kv(graphdef, params, tokens: Int[Array, "B T"], cache: KVCache):
+    B, T = tokens.shape
+    no_prefix = jax.lax.optimization_barrier(jnp.zeros((B,), jnp.int32))  # see prefill
+    return _merge(graphdef, params)(tokens, jnp.broadcast_to(jnp.arange(T), (B, T)), cache,
+                                    no_prefix, causal_mask(B, T),
+                                    logit_index=jnp.zeros((B, 1), jnp.int32))
+
+
+@partial(jax.jit, static_argnames=("graphdef",))
+def prefill(graphdef, params, tokens: Int[Array, "B T"], prompt_len: Int[Array, " B"],
+            cache: KVCache, req: Requests) -> tuple[RowState, KVCache]:
+    """Right-padded prompts -> the first sampled token and the prompt K/V (not yet committed).
+
+    Padding needs no extra mask: under the causal mask a real token at t < len only sees
+    keys <= t, and the pad slots' K/V are overwritten by later commits."""
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    # An opaque zero: with a literal 0 prefix length XLA constant-folds the all-masked prefix
+    # scores ([B, H, T, S] per layer), which took ~2 min per layer group to compile at B=32, T=128.
+    no_prefix = jax.lax.optimization_barrier(jnp.zeros((B,), jnp.int32))
+    logits, new_kv = _merge(graphdef, params)(
+        tokens, positions, cache, no_prefix, causal_mask(B, T),
+        logit_index=(prompt_len - 1)[:, None])
+    first = _sample(logits[:, 0], req, prompt_len)
+    return start_rows(tokens, prompt_len, first, req), new_kv
+
+
+@partial(jax.jit, static_argnames=("graphdef",))
+def decode_step(graphdef, params, rows: RowState, cache: KVCache, req: Requests
+                ) -> tuple[RowState, KVCache]:
+    """Feed each row's last token, sample the next. Returns the new K/V to commit at
+    `rows.lengths`. A finished row keeps its length, so it never runs past its cache slack."""
+    B = rows.last.shape[0]
+    logits, new_kv = _merge(graphdef, params)(rows.last[:, None], rows.lengths[:, None], cache,
+                                              rows.lengths, jnp.ones((B, 1, 1), bool))
+    nxt = _sample(logits[:, 0], req, rows.lengths + 1)
+    new, _ = advance(rows, jnp.zeros((B, 0), jnp.int32), jnp.zeros_like(nxt), nxt, req)
+    return new, new_kv
+
+
+class ModelRunner:
+    """Holds one model's split params (sharded over `mesh`, if given) and dispatches its
+    programs."""
+
+    def __init__(self, model: Transformer | DraftModel, mesh=None):
+        self.config: ModelConfig = model.config
+        self.graphdef, self.params = nnx.split(model)
+        self.mesh = mesh
+        if mesh is not None:  # tensor-parallel (or replicated) over this mesh
+            from ssd_jax.sharding import shard_params
+            self.params = shard_params(self.params, self.config, mesh)
+
+    def new_cache(self, batch: int, seq_len: int) -> KVCache:
+        from ssd_jax.sharding import new_cache
+        return new_cache(self.config, batch, seq_len, self.mesh)
+
+    def prefill(self, tokens, prompt_len, cache, req: Requests) -> tuple[RowState, KVCache]:
+        rows, new_kv = prefill(self.graphdef, self.params, tokens, prompt_len, cache, req)
+        return rows, commit(cache, new_kv, prompt_len * 0)  # on prompt_len's devices
+
+    def decode(self, rows: RowState, cache: KVCache, req: Requests) -> tuple[RowState, KVCache]:
+        new, new_kv = decode_step(self.graphdef, self.params, rows, cache, req)
+        return new, commit(cache, new_kv, rows.lengths)
+
+    def fill(self, tokens: Int[Array, "B T"], cache: KVCache) -> KVCache:
+        """Write a prompt's K/V into the cache (a draft's prefill: its logits are not needed)."""
+        _, new_kv = fill_kv(self.graphdef, self.params, tokens, cache)
+        return commit(cache, new_kv, jnp.zeros((tokens.shape[0],), jnp.int32))
+
+    def forward(self, tokens, positions, cache, prefix_len, mask):
+        return forward(self.graphdef, self.params, tokens, positions, cache, prefix_len, mask)

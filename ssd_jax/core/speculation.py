@@ -1,0 +1,117 @@
+"""Speculation basics shared by SD and SSD: the messages of a round, the draft's sampler and its
+K-step decoder.
+
+A speculation is K draft tokens per row with the exact distributions q they were drawn from
+(verification needs q, not just the tokens), a point-mass flag for guesses drawn from no
+distribution (the fast backup), and whether SSD's cache hit. The outcome of verifying it is
+(n accepted, t emitted). Proposals are drawn over the draft's own vocabulary (`vocab`, a
+draft_vocab.VocabMap or SameVocab) and named by target ids.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from ssd_jax.core.rows import DRAFT_STREAM, Requests, RowSampling, RowState, row_keys
+from ssd_jax.models.attention import causal_mask
+from ssd_jax.models.transformer import KVCache, commit
+from ssd_jax.sampling import process_probs, sample, saguaro_rescale
+
+
+class Speculation(NamedTuple):
+    """What the target verifies next: draft -> target."""
+
+    tokens: Int[Array, "B K"]
+    q: Float[Array, "B K V"] | None  # None when every row is greedy
+    point_mass: Bool[Array, " B"]  # guesses from no distribution (verify.py's point-mass rule)
+    hit: Bool[Array, " B"]  # SSD: the speculation came from the cache (statistics only)
+
+
+class Outcome(NamedTuple):
+    """What verification decided: target -> draft. n = -1: no round verified yet (start-up)."""
+
+    n: Int[Array, " B"]
+    t: Int[Array, " B"]
+
+
+class Saguaro(NamedTuple):
+    """Saguaro sampling for speculated tokens: token j of a speculation is verified at position
+    j, where the next round's fork takes fan[:, j] candidates; their probability is scaled by c
+    (sampling.saguaro_rescale). fmax bounds fan's entries (static)."""
+
+    fan: Int[Array, "B K1"]
+    c: float | Float[Array, ""]
+    fmax: int
+
+
+def propose(logits: Float[Array, "B N Vd"], req: Requests, positions: Int[Array, "B N"],
+            vocab, greedy_only: bool, saguaro: tuple[Int[Array, " B"], Saguaro] | None = None
+            ) -> tuple[Int[Array, "B N"], Float[Array, "B N Vd"] | None]:
+    """Draft tokens (target ids) for N parallel positions per row and the q they were drawn
+    from, over the draft vocabulary (vocab.target_probs maps it to the target's). `saguaro`:
+    (per-row fork count, settings) to rescale q with."""
+    logits = vocab.proposable(logits)
+    if greedy_only:
+        return vocab.target_ids(jnp.argmax(logits, -1).astype(jnp.int32)), None
+    B, N, V = logits.shape
+    s = req.sampling
+    q = process_probs(logits, s.temperature, s.top_k, s.top_p)
+    if saguaro is not None:
+        num_top, sg = saguaro
+        q = saguaro_rescale(q, num_top, sg.c, sg.fmax)
+    keys = row_keys(RowSampling(*(jnp.repeat(x, N, axis=0) for x in s)), DRAFT_STREAM,
+                    positions.reshape(-1))
+    # Greedy rows in a mixed batch: process_probs gave a one-hot, so the sample is the argmax.
+    tok = sample(q.reshape(B * N, V), keys).reshape(B, N)
+    return vocab.target_ids(tok), q
+
+
+def draft_decode(model, vocab, tokens: Int[Array, "B T"], start: Int[Array, " B"],
+                 cache: KVCache, req: Requests, k: int, greedy_only: bool,
+                 saguaro: Saguaro | None = None):
+    """K draft tokens after `tokens` (fed at start..start+T-1, the cache valid below `start`),
+    each from the logits of the newest token. The new K/V ride in the attention's `extra` block
+    (T + K - 1 positions from `start`) and are returned, not written: SD commits them, SSD's
+    backup drops them. Returns (drafts [B, K], q [B, K, Vd] | None, new K/V)."""
+    B, T = tokens.shape
+    x, extra = tokens, None
+    pos = start[:, None] + jnp.arange(T)
+    toks, qs = [], []
+    for step in range(k):
+        mask = causal_mask(B, T) if step == 0 else jnp.ones((B, 1, T + step), bool)
+        logits, kv = model(vocab.draft_ids(x), pos, cache, start, mask, extra=extra,
+                           logit_index=None if step else jnp.full((B, 1), T - 1, jnp.int32))
+        nxt = pos[:, -1:] + 1
+        x, q = propose(logits, req, nxt, vocab, greedy_only,
+                       None if saguaro is None else (saguaro.fan[:, step], saguaro))
+        toks.append(x[:, 0])
+        qs.append(None if q is None else q[:, 0])
+        extra = kv if extra is None else jax.tree.map(
+            lambda a, b: jnp.concatenate([a, b], axis=1), extra, kv)
+        pos = nxt
+    return jnp.stack(toks, 1), (None if greedy_only else jnp.stack(qs, 1)), extra
+
+
+@partial(jax.jit, static_argnames=("graphdef", "vocab", "k", "greedy_only"))
+def _sd_draft(graphdef, params, vocab, rows: RowState, cache: KVCache, req: Requests, k: int,
+              greedy_only: bool) -> tuple[Speculation, KVCache]:
+    # [prev, r] at [L-1, L]: re-feeding prev is harmless when it is already in the cache and
+    # necessary after a full acceptance, where the last draft token s_K was never fed.
+    tokens = jnp.stack([rows.prev, rows.last], axis=1)
+    drafts, q, kv = draft_decode(nnx.merge(graphdef, params), vocab, tokens, rows.lengths - 1,
+                                 cache, req, k, greedy_only)
+    no = jnp.zeros_like(rows.done)
+    return Speculation(drafts, None if q is None else vocab.target_probs(q), no, ~no), kv
+
+
+def sd_speculation(draft, vocab, rows: RowState, cache: KVCache, req: Requests, k: int,
+                   greedy_only: bool) -> tuple[Speculation, KVCache]:
+    """SD's drafting with `draft` (a ModelRunner): K tokens after r, the draft cache committed
+    through position L+K-1."""
+    spec, kv = _sd_draft(draft.graphdef, draft.params, vocab, rows, cache, req, k, greedy_only)
+    return spec, commit(cache, kv, rows.lengths - 1)

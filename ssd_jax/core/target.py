@@ -1,0 +1,60 @@
+"""The target's step of an SD/SSD round: score [r, s_1..s_K] at L..L+K in one forward (causal
+chain mask) -> p_0..p_K, verify exactly (verify.py) -> (n accepted, t emitted), advance the rows.
+
+All K+1 target K/V are committed at L and the length advances by n+1: the rejected slots lie
+beyond the new length and are overwritten next round (hence K+1 slots of cache slack).
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Int
+
+from ssd_jax.core.rows import VERIFY_STREAM, Requests, RowState, advance, row_keys
+from ssd_jax.core.speculation import Outcome, Speculation
+from ssd_jax.core.verify import verify, verify_greedy
+from ssd_jax.models.attention import causal_mask
+from ssd_jax.models.transformer import KVCache, commit
+from ssd_jax.sampling import process_probs
+
+
+class TargetState(NamedTuple):
+    """The target side between rounds: its rows and its KV cache."""
+
+    rows: RowState
+    cache: KVCache
+
+
+@partial(jax.jit, static_argnames=("graphdef", "greedy_only"))
+def verify_step(graphdef, params, state: TargetState, spec: Speculation, req: Requests,
+                greedy_only: bool) -> tuple[RowState, Outcome, Int[Array, "B K1"], KVCache]:
+    """The target forward over [r, s] and exact verification: the advanced rows, the outcome,
+    the emitted tokens [B, K+1] (-1 padded) and the K+1 new K/V (committed by the caller)."""
+    rows = state.rows
+    B, K = spec.tokens.shape
+    tokens = jnp.concatenate([rows.last[:, None], spec.tokens], axis=1)
+    positions = rows.lengths[:, None] + jnp.arange(K + 1)
+    logits, kv = nnx.merge(graphdef, params)(tokens, positions, state.cache, rows.lengths,
+                                             causal_mask(B, K + 1))
+    if greedy_only:
+        n, t = verify_greedy(logits, spec.tokens)
+    else:
+        s = req.sampling
+        p = process_probs(logits, s.temperature, s.top_k, s.top_p)
+        n, t = verify(p, spec.tokens, spec.q, spec.point_mass, s.temperature == 0,
+                      row_keys(s, VERIFY_STREAM, rows.lengths))
+    new_rows, out = advance(rows, spec.tokens, n, t, req)
+    return new_rows, Outcome(n, t), out, kv
+
+
+def target_step(target, state: TargetState, spec: Speculation, req: Requests, greedy_only: bool
+                ) -> tuple[TargetState, Outcome, Int[Array, "B K1"]]:
+    """One verification by `target` (a ModelRunner): the new state, the outcome, the emitted
+    tokens."""
+    rows, outcome, out, kv = verify_step(target.graphdef, target.params, state, spec, req,
+                                         greedy_only)
+    return TargetState(rows, commit(state.cache, kv, state.rows.lengths)), outcome, out
