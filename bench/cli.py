@@ -59,7 +59,8 @@ PAIRS = {"smollm2": ("smollm2", "smollm2-draft"),
 
 def parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="ssd-bench", description=__doc__.split("\n\n")[0],
-                 epilog="Subcommands: `ssd-bench report JSON [--readme FILE]`, `ssd-bench plan`.",
+                 epilog="Subcommands: `ssd-bench report JSON [--readme FILE]`, `ssd-bench plan`, "
+                 "`ssd-bench serve` (load on the OpenAI server).",
                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = ap.add_argument
     a("--mode", default="all", choices=[*MODES, "all"], help="decode mode(s) to time")
@@ -325,6 +326,9 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plan"]:
         return _plan(argv[1:])
+    if argv[:1] == ["serve"]:
+        from bench.serve_load import main as serve_main
+        return serve_main(argv[1:])
     if argv[:1] == ["report"]:
         from bench.results import main as report_main
         return report_main(argv[1:])

@@ -278,6 +278,18 @@ class Engine:
                 return
             yield chunk, metrics
 
+    def live(self, mode: str, slots: int, spec: SpecConfig):
+        """A `core.live.LiveBatch` of `slots` rows decoding `mode` in this process (a server's
+        continuous batch), with the settings it resolved (automatic ones chosen for `slots`)."""
+        from ssd_jax.core.live import LiveBatch
+        spec, _ = self._spec_for(spec, mode, slots)
+        link = LocalLink() if self.split is None else LocalLink(
+            self.split.target_replicated, self.split.draft_replicated)
+        draft = {"ar": None, "sd": self.sd_draft_runner, "ssd": self.draft_runner}[mode]
+        return LiveBatch(mode, self.runner, draft, self.vocab, slots=slots,
+                         seq_len=round_up(self.config.max_seq_len, 256),
+                         prefill_bucket=self.config.prefill_bucket, spec=spec, link=link), spec
+
     def _decode_here(self, batch: Batch, mode: str, spec: SpecConfig, metrics: RunMetrics,
                      seq_len: int) -> Iterator[list[list[int]]]:
         """The decode loop of `mode` in this process, on the device split if there is one."""

@@ -159,8 +159,12 @@ def ssd_round(target: TargetSide | None, draft: DraftSide | None, link, s: Round
     t2 = time.perf_counter()
     outcome = link.outcome(outcome)
     if draft is not None:
-        if phases is not None:
-            outcome.n.block_until_ready()  # the draft process: waiting is not selecting
+        if phases is not None and target is not None:
+            # One process, timed: the outcome is here once verification is; separate the
+            # phases. (A draft process does not block: select is queued behind the exchange,
+            # and waiting on the host would add a dispatch to the critical path. Its select
+            # time then includes waiting for the outcome.)
+            outcome.n.block_until_ready()
         t3 = time.perf_counter()
         was = ds.rows.done, ds.spec.hit
         ds, spec, rank = draft.select(ds, tree, outcome)

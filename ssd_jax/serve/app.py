@@ -1,0 +1,141 @@
+"""The HTTP surface: OpenAI's /v1/completions and /v1/chat/completions (plain JSON or server-sent
+events ending in `data: [DONE]`), /v1/models, /health and /metrics, on Starlette (the ASGI
+toolkit FastAPI is built on; we need routing and streaming responses, not FastAPI's schema
+layer, and validation lives in protocol.py where its errors can name OpenAI's fields)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ssd_jax.serve import protocol
+from ssd_jax.serve.protocol import APIError
+from ssd_jax.serve.scheduler import Request
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def build_app(server) -> Starlette:
+    """`server`: a serve.server.Server (model name, encode, stop ids, scheduler, metrics)."""
+
+    async def submit(kind: str, http: HTTPRequest):
+        try:
+            try:
+                body = json.loads(await http.body())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise APIError(400, f"the request body is not valid JSON: {e}")
+            job = protocol.parse(kind, body, model_name=server.model_name, encode=server.encode)
+            server.check_fits(job)
+        except APIError as e:
+            return None, None, _error(e)
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        req = Request(job, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+                      server.stop_ids(job.params))
+        try:
+            server.scheduler.submit(req)
+        except APIError as e:
+            return None, None, _error(e)
+        return req, events, None
+
+    async def completions(http: HTTPRequest):
+        return await handle("completion", http)
+
+    async def chat(http: HTTPRequest):
+        return await handle("chat", http)
+
+    async def handle(kind: str, http: HTTPRequest):
+        req, events, error = await submit(kind, http)
+        if error is not None:
+            return error
+        if req.job.stream:
+            return StreamingResponse(stream(req, events), media_type="text/event-stream")
+        text = []
+        try:
+            while True:
+                ev = await events.get()
+                if ev[0] == "delta":
+                    text.append(ev[1])
+                    continue
+                break
+        except asyncio.CancelledError:
+            req.cancel()
+            raise
+        if ev[0] == "error":
+            return _error(APIError(500, ev[1], kind="server_error"))
+        _, reason, n_tokens, spec = ev
+        job = req.job
+        return JSONResponse(protocol.envelope(
+            job, [protocol.choice(job, "".join(text), reason, delta=False)], chunk=False,
+            usage=protocol.usage(len(job.prompt_ids), n_tokens), speculation=spec))
+
+    async def stream(req: Request, events: asyncio.Queue):
+        job = req.job
+
+        def sse(obj) -> str:
+            return f"data: {json.dumps(obj)}\n\n"
+
+        try:
+            if job.kind == "chat":  # the role comes first, as OpenAI's streams do
+                yield sse(protocol.envelope(job, [dict(index=0, delta={"role": "assistant",
+                                                                       "content": ""},
+                                                       logprobs=None, finish_reason=None)],
+                                            chunk=True))
+            while True:
+                ev = await events.get()
+                if ev[0] == "delta":
+                    choice = protocol.choice(job, ev[1], None, delta=True)
+                    if job.kind == "chat":
+                        choice["delta"] = {"content": ev[1]}
+                    yield sse(protocol.envelope(job, [choice], chunk=True))
+                    continue
+                if ev[0] == "error":
+                    yield sse(APIError(500, ev[1], kind="server_error").body())
+                    break
+                _, reason, n_tokens, spec = ev
+                last = protocol.choice(job, None if job.kind == "chat" else "", reason,
+                                       delta=True)
+                yield sse(protocol.envelope(job, [last], chunk=True, speculation=spec))
+                if job.include_usage:
+                    yield sse(protocol.envelope(job, [], chunk=True, usage=protocol.usage(
+                        len(job.prompt_ids), n_tokens)))
+                break
+            yield "data: [DONE]\n\n"
+        finally:
+            req.cancel()  # a client that went away frees its slot; after "done" a no-op
+
+    async def models(_: HTTPRequest):
+        return JSONResponse({"object": "list", "data": [dict(
+            id=server.model_name, object="model", created=server.created, owned_by="ssd-jax")]})
+
+    async def health(_: HTTPRequest):
+        ok = server.scheduler.error is None
+        return JSONResponse({"status": "ok" if ok else "failed", "mode": server.mode,
+                             "slots": server.slots}, status_code=200 if ok else 503)
+
+    async def metrics(_: HTTPRequest):
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def not_found(http: HTTPRequest, exc):
+        return _error(APIError(404, f"no route {http.method} {http.url.path}: see /v1/models, "
+                                    "/v1/completions, /v1/chat/completions, /health, /metrics"))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        server.shutdown()  # Ctrl-C / SIGTERM: uvicorn stops taking requests, then this
+
+    return Starlette(routes=[
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ], exception_handlers={404: not_found}, lifespan=lifespan)

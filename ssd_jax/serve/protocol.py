@@ -1,0 +1,171 @@
+"""The OpenAI request and response shapes the server speaks, and their validation.
+
+A request becomes a `Job` (prompt token ids, SamplingParams, stop strings, streaming flags) or
+an `APIError` naming the field and the fix: fields the engine does not support (n > 1,
+logprobs, tools, penalties ...) are refused, never silently ignored. Purely informational
+fields (user, metadata) are accepted. Extensions, as in vLLM: `top_k`, `ignore_eos`.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from ssd_jax.config import SamplingParams
+
+
+class APIError(Exception):
+    """An error response: HTTP status and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = (status, message, param,
+                                                                       kind, code)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+@dataclass
+class Job:
+    kind: str  # "completion" | "chat"
+    model: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+          "ignore_eos",
+          "stream_options", "n", "user", "metadata", "logprobs", "presence_penalty",
+          "frequency_penalty", "logit_bias"}
+FIELDS = {"completion": COMMON | {"prompt", "echo", "best_of", "suffix"},
+          "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
+                            "tool_choice", "parallel_tool_calls", "response_format"}}
+# Fields whose only supported value is "off": (field, the values that mean off).
+OFF = {"n": (None, 1), "best_of": (None, 1), "logprobs": (None, False), "echo": (None, False),
+       "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0),
+       "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "suffix": (None, ""),
+       "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
+       "response_format": (None, {"type": "text"})}
+
+
+def _number(body: dict, name: str, kind, default, low=None, high=None):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else int):
+        raise APIError(400, f"'{name}' must be {'a number' if kind is float else 'an integer'}, "
+                            f"got {v!r}", name)
+    if (low is not None and v < low) or (high is not None and v > high):
+        where = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise APIError(400, f"'{name}'={v} is out of range: it must be {where}", name)
+    return kind(v)
+
+
+def _flag(body: dict, name: str) -> bool:
+    v = body.get(name, False)
+    if not isinstance(v, bool):
+        raise APIError(400, f"'{name}' must be true or false, got {v!r}", name)
+    return v
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)
+            and len(stop) <= 4):
+        raise APIError(400, "'stop' must be a non-empty string or a list of up to 4 of them",
+                       "stop")
+    return stop
+
+
+def parse(kind: str, body, *, model_name: str, encode, max_tokens_default: int = 256) -> Job:
+    """Validate a request body; `encode(prompt_or_messages, chat: bool) -> ids` may raise
+    ValueError (an unusable prompt), reported as a 400 on the prompt field."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    unknown = sorted(set(body) - FIELDS[kind])
+    if unknown:
+        raise APIError(400, f"unsupported field '{unknown[0]}': this server does not implement "
+                            "it; remove it from the request", unknown[0])
+    for name, off in OFF.items():
+        if name in body and body[name] not in off:
+            raise APIError(400, f"'{name}'={body[name]!r} is not supported by this server (only "
+                                f"{' / '.join(repr(o) for o in off if o is not None)}); remove "
+                                "it or use the default", name)
+    model = body.get("model")
+    if model is None:
+        raise APIError(400, "'model' is required", "model")
+    if model != model_name:
+        raise APIError(400, f"model '{model}' does not exist: this server serves "
+                            f"'{model_name}' (GET /v1/models)", "model", code="model_not_found")
+    prompt_field = "prompt" if kind == "completion" else "messages"
+    prompt = body.get(prompt_field)
+    if kind == "completion" and isinstance(prompt, list) and len(prompt) == 1 \
+            and isinstance(prompt[0], str):
+        prompt = prompt[0]  # the openai client sends a one-element list for one prompt
+    if prompt is None:
+        raise APIError(400, f"'{prompt_field}' is required", prompt_field)
+    if kind == "completion" and isinstance(prompt, list) and prompt and all(
+            isinstance(p, (str, list)) for p in prompt):
+        raise APIError(400, "'prompt' holds several prompts: send one per request (n=1 "
+                            "batching is done by the server)", "prompt")
+    try:
+        ids = encode(prompt, kind == "chat")
+    except ValueError as e:
+        raise APIError(400, str(e).splitlines()[0], prompt_field)
+    max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    max_tokens = _number(body, max_name, int, max_tokens_default, 1)
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
+        raise APIError(400, "'stream_options' supports only include_usage", "stream_options")
+    stream = _flag(body, "stream")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise APIError(400, f"'seed' must be a non-negative integer, got {seed!r}", "seed")
+    try:
+        params = SamplingParams(
+            temperature=_number(body, "temperature", float, 1.0, 0.0, 2.0),
+            top_p=_number(body, "top_p", float, 1.0, 0.0, 1.0),
+            top_k=_number(body, "top_k", int, 0, 0),
+            max_new_tokens=max_tokens, seed=None if seed is None else seed % 2**32,
+            ignore_eos=_flag(body, "ignore_eos"))
+    except ValueError as e:
+        raise APIError(400, str(e).splitlines()[0])
+    return Job(kind, model, ids, params, _stop(body), stream,
+               bool(stream_options.get("include_usage")))
+
+
+# ------------------------------------------------------------------ responses
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens)
+
+
+def choice(job: Job, text: str | None, finish_reason: str | None, delta: bool) -> dict:
+    if job.kind == "completion":
+        return dict(index=0, text=text or "", logprobs=None, finish_reason=finish_reason)
+    if delta:
+        return dict(index=0, delta={} if text is None else {"role": "assistant", "content": text},
+                    logprobs=None, finish_reason=finish_reason)
+    return dict(index=0, message={"role": "assistant", "content": text}, logprobs=None,
+                finish_reason=finish_reason)
+
+
+def envelope(job: Job, choices: list, chunk: bool, **extra) -> dict:
+    obj = ("text_completion" if job.kind == "completion" else
+           "chat.completion.chunk" if chunk else "chat.completion")
+    prefix = "cmpl" if job.kind == "completion" else "chatcmpl"
+    return dict(id=f"{prefix}-{job.id}", object=obj, created=job.created, model=job.model,
+                choices=choices, **extra)

@@ -1,0 +1,196 @@
+"""The decode thread of the server: a queue of requests, a `LiveBatch` of slots, and the text
+each request streams back.
+
+Between rounds it admits queued requests into free slots (a batch-of-1 prefill written into the
+running batch), frees the slots of finished or abandoned requests, then runs one round for all
+slots. Nobody waits for an unrelated request: a request that arrives while others decode joins
+at the next round boundary. Tokens are cut exactly as offline `generate` cuts them (at the first
+stop token, at max_tokens), text at the first stop string, even one spanning tokens.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ssd_jax.serve.protocol import APIError, Job
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Request:
+    """One request's life in the scheduler. `push(event)` delivers events to the HTTP side:
+    ("delta", text), then ("done", finish_reason, usage, speculation) or ("error", message)."""
+
+    job: Job
+    push: object
+    stop_ids: set
+    arrived: float = field(default_factory=time.perf_counter)
+    slot: int | None = None
+    tokens: list = field(default_factory=list)
+    sent: str = ""  # text already delivered
+    finish: str | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    rounds: int = 0
+    accepted: int = 0
+    hits: int = 0
+    first_token_s: float | None = None
+    done_s: float | None = None
+
+    def cancel(self) -> None:
+        """The client went away: the slot is freed at the next round boundary."""
+        self.cancelled.set()
+
+
+class Scheduler:
+    def __init__(self, live, text, mode: str, k: int, *, max_queue: int, metrics=None):
+        self.live, self.text, self.mode, self.k = live, text, mode, k
+        self.max_queue, self.metrics = max_queue, metrics
+        self.pending: collections.deque[Request] = collections.deque()
+        self.active: dict[int, Request] = {}
+        self.events: list[tuple[float, str, str, int]] = []  # (time, join/leave, job id, slot)
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="ssd-jax-decode", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel whatever is queued or running, end the thread."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def submit(self, req: Request) -> None:
+        with self._cond:
+            if self._stop or self.error is not None:
+                raise APIError(503, "the server is shutting down or its decode loop failed",
+                               kind="server_error")
+            if len(self.pending) >= self.max_queue:
+                raise APIError(429, f"the queue is full ({self.max_queue} requests wait for a "
+                                    "slot): retry later", kind="rate_limit_error")
+            self.pending.append(req)
+            self._gauge()
+            self._cond.notify()
+
+    # ---------------------------------------------------------------- the decode thread
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._stop or self.pending or self.active):
+                        self._cond.wait()
+                    if self._stop:
+                        break
+                self._admit()
+                self._drop_cancelled()
+                if self.active:
+                    self._round()
+        except BaseException as e:  # a failed round fails every request, loudly
+            log.exception("the decode loop failed")
+            self.error = e
+        for req in [*self.active.values(), *self.pending]:
+            req.push(("error", "the server stopped before this request finished"
+                      if self.error is None else f"decode failed: {self.error}"))
+        self.active.clear()
+        self.pending.clear()
+
+    def _admit(self) -> None:
+        free = [i for i in self.live.free_slots() if i not in self.active]
+        while free:
+            with self._cond:
+                if not self.pending:
+                    break
+                req = self.pending.popleft()
+                self._gauge()
+            if req.cancelled.is_set():
+                continue
+            slot = free.pop(0)
+            first = self.live.join(slot, req.job.prompt_ids, req.job.params, sorted(req.stop_ids))
+            req.slot, req.first_token_s = slot, time.perf_counter()
+            self.active[slot] = req
+            self.events.append((time.perf_counter(), "join", req.job.id, slot))
+            if self.metrics:
+                self.metrics.ttft.observe(req.first_token_s - req.arrived)
+            self._take(req, [first])
+        self._gauge()
+
+    def _drop_cancelled(self) -> None:
+        for slot, req in list(self.active.items()):
+            if req.cancelled.is_set():
+                self._finish(req, "cancelled")
+
+    def _round(self) -> None:
+        out, done, hit = self.live.step()
+        for slot, req in list(self.active.items()):
+            toks = [int(t) for t in out[slot] if t >= 0]
+            if not toks:
+                continue
+            req.rounds += 1
+            req.accepted += len(toks) - 1
+            req.hits += int(hit is not None and hit[slot])
+            if self.metrics and self.mode != "ar":
+                self.metrics.accepted.observe(len(toks) - 1)
+            self._take(req, toks)
+            if req.finish is None and done[slot]:  # cannot happen: done rows end in _take
+                self._finish(req, "length")
+
+    # ---------------------------------------------------------------- tokens -> text
+    def _take(self, req: Request, toks: list[int]) -> None:
+        """Append a round's tokens, cut as offline generate cuts, stream the new text."""
+        reason = None
+        for t in toks:
+            req.tokens.append(t)
+            if t in req.stop_ids:
+                reason = "stop"
+            elif len(req.tokens) >= req.job.params.max_new_tokens:
+                reason = "length"
+            if reason:
+                break
+        text = self.text(req.tokens)
+        cut = min((i for i in (text.find(s) for s in req.job.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            text, reason = text[:cut], "stop"
+        elif reason is None:
+            # Hold back an incomplete character and any tail that may start a stop string.
+            hold = max((len(s) - 1 for s in req.job.stop), default=0)
+            text = text[:-1] if text.endswith("\ufffd") else text
+            text = text[:max(len(req.sent), len(text) - hold)]
+        if len(text) > len(req.sent):
+            req.push(("delta", text[len(req.sent):]))
+            req.sent = text
+        if reason:
+            self._finish(req, reason)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish, req.done_s = reason, time.perf_counter()
+        if req.slot is not None and self.active.get(req.slot) is req:
+            self.live.leave(req.slot)
+            del self.active[req.slot]
+            self.events.append((time.perf_counter(), "leave", req.job.id, req.slot))
+        if self.metrics:
+            self.metrics.finished(req, self.mode)
+        if reason != "cancelled":
+            req.push(("done", reason, len(req.tokens), self.speculation(req)))
+        self._gauge()
+
+    def speculation(self, req: Request) -> dict:
+        rounds = max(req.rounds, 1)
+        out = dict(mode=self.mode, rounds=req.rounds)
+        if self.mode != "ar":
+            out.update(drafted_tokens=req.rounds * self.k, accepted_tokens=req.accepted,
+                       mean_accepted_length=req.accepted / rounds)
+        if self.mode == "ssd":
+            out.update(cache_hit_rate=req.hits / rounds, backup_rounds=req.rounds - req.hits)
+        return out
+
+    def _gauge(self) -> None:
+        if self.metrics:
+            self.metrics.queue.set(len(self.pending))
+            self.metrics.running.set(len(self.active))
