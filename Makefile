@@ -10,11 +10,15 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q -e ".[test]"
 	touch $(STAMP)
 
-.PHONY: venv demo test test-slow bench draft
+.PHONY: venv demo serve test test-slow bench draft
 venv: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/python -m ssd_jax
+
+# The OpenAI-compatible server on the loopback address (README "Server").
+serve: $(STAMP)
+	$(VENV)/bin/ssd-serve --mode ssd --port 8000
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q

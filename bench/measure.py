@@ -102,10 +102,22 @@ class Cells:
             if bar is not None:
                 bar.update(len(b))
 
+    def pin(self, mode: str, point: Point) -> tuple[Point, dict | None]:
+        """k=auto: the engine's choice for this cell, made once and pinned for all its calls
+        (left free, it follows the acceptance learnt call by call and K could change inside a
+        cell). Returns the pinned point and the choice's description."""
+        if point.k is not None or mode == "ar":
+            return point, None
+        spec, settings = self.llm.settings(mode, rows=point.batch, spec=point.spec())
+        return dataclasses.replace(point, k=spec.k, budget=spec.budget, backup=spec.backup,
+                                   fanout=spec.fanout, c=spec.c), settings
+
     def run(self, mode: str, suite: str, point: Point, ids, desc: str = "") -> dict:
         params = sampling(point, len(ids), self.out_len, self.seed, self.ignore_eos)
+        point, chosen = self.pin(mode, point)
         warm_s = self.warmup(mode, point, ids, params)
         agg = Agg(point.for_mode(mode), self.driver(mode))
+        agg.chosen = chosen
         bar = _bar(len(ids), desc if self.progress else "")
         self._generate(mode, point, ids, params, agg, bar)
         bar.close()
@@ -116,6 +128,7 @@ class Cells:
         only (throughput is measured without the blocking). The processes driver always times
         its phases, so its cells carry them already and need no separate pass."""
         params = sampling(point, len(ids), self.out_len, self.seed, self.ignore_eos)
+        point, _ = self.pin(mode, point)
         self.warmup(mode, point, ids, params)
         agg = Agg(point.for_mode(mode), self.driver(mode))
         self._generate(mode, point, ids, params, agg, sync_phases=True)
@@ -133,7 +146,8 @@ class Agg:
         self.verify = self.draft = self.build = self.select = self.exposed = 0.0
         self.miss_rounds = 0.0
         self.ttft, self.hist = [], None
-        self.settings: dict | None = None  # what the engine ran (chosen, with k=auto)
+        self.settings: dict | None = None  # what the engine ran
+        self.chosen: dict | None = None  # k=auto: the engine's choice, pinned for the cell
         self.hit = self.miss = None
         self.all_hit_w = 0.0
 
@@ -187,14 +201,10 @@ class Agg:
             h, mi = sum(self.hit), sum(self.miss)
             ssd = dict(hit_rate=h / max(h + mi, 1), all_hit_rate=self.all_hit_w / max(self.steps, 1),
                        accept_hist_hit=self.hit.tolist(), accept_hist_miss=self.miss.tolist())
-        point = dataclasses.asdict(self.point)
-        chosen = self.settings if self.settings and self.settings.get("automatic") else None
-        if chosen:  # k=auto: the cell is what the engine chose (its prediction included)
-            point.update(k=chosen["k"], budget=chosen["budget"] if mode == "ssd" else None,
-                         backup=chosen["backup"] if mode == "ssd" else None)
+        point = dataclasses.asdict(self.point)  # pinned: the chosen K, M, backup
         return dict(
-            mode=mode, suite=suite, **point, driver=self.driver, settings=self.settings,
-            automatic=bool(chosen),
+            mode=mode, suite=suite, **point, driver=self.driver,
+            settings=self.chosen or self.settings, automatic=self.chosen is not None,
             num_prompts=n, decode_tokens=int(self.decode_tokens), decode_s=self.decode_s,
             decode_tok_s=self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0,
             ttft_ms=1e3 * float(np.mean(self.ttft)),

@@ -151,13 +151,14 @@ def main(argv=None) -> int:
         try:
             import httpx
             model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-            rows[mode] = asyncio.run(load(args, url, model, prompts))
+            health = httpx.get(url + "/health").json()
+            rows[mode] = dict(asyncio.run(load(args, url, model, prompts)),
+                              k=health.get("k"), budget=health.get("budget"))
         finally:
             if proc is not None:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(60)
-        print(f"{mode}: {json.dumps({k: round(v, 2) for k, v in rows[mode].items()})}",
-              file=sys.stderr)
+        print(f"{mode}: {json.dumps(rows[mode], default=float)}", file=sys.stderr)
     print("| mode | requests | clients | tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
           "hit rate | lost or duplicated |\n|---|---|---|---|---|---|---|---|")
     for mode, r in rows.items():

@@ -210,6 +210,12 @@ class Engine:
         pair = autotune.pair_key(*(p or "model" for p in self.paths))
         autotune.TuneStore(autotune.store_path(self.cache_dir)).observe(pair, a)
 
+    def settings(self, mode: str, rows: int, spec: SpecConfig) -> tuple[SpecConfig, dict | None]:
+        """The settings a run of `rows` (padded) rows would use now, resolved (automatic ones
+        chosen, measuring step costs once), and their description as metrics.settings has it."""
+        resolved, choice = self._spec_for(spec, mode, rows)
+        return resolved, self._settings(resolved, mode, choice)
+
     @staticmethod
     def _settings(spec: SpecConfig, mode: str, choice: autotune.Choice | None) -> dict | None:
         """What ran, for metrics and bench results: settings and, when chosen, the prediction."""

@@ -236,6 +236,17 @@ class LLM:
         return self.core.shapes(ids, params, mode, spec)
 
     @no_type_check
+    def settings(self, mode: str | None = None, *, rows: int = 1,
+                 spec: SpecConfig | None = None) -> tuple[SpecConfig, dict | None]:
+        """The speculation settings a call of `rows` rows would run with, resolved now (with
+        automatic settings: chosen as that call would choose them), and their description (K,
+        budget, backup, and when chosen the speed model's prediction). Passing the resolved
+        SpecConfig as `spec=` pins them: automatic choices follow the pair's learnt acceptance
+        from call to call, so K may change between calls otherwise."""
+        mode, spec, _ = self._call(mode, spec, None)
+        return self.core.settings(mode, 1 << (rows - 1).bit_length(), spec)
+
+    @no_type_check
     def stream(self, prompt: Prompt, sampling_params: SamplingParams = SamplingParams(),
                *, chat: bool = True, mode: str | None = None, spec: SpecConfig | None = None,
                sync_phases: bool | None = None) -> Iterator[str]:

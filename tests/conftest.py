@@ -117,3 +117,19 @@ def smollm2():
     """The embedded default target, loaded once per test session."""
     from ssd_jax import LLM
     return LLM("smollm2")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_autotune_store(tmp_path_factory):
+    """Automatic settings read and write a per-user store (~/.cache/ssd_jax/autotune.json);
+    tests keep theirs apart, so a test run neither reads a user's measurements nor leaves its
+    tiny models' entries behind."""
+    from pathlib import Path
+
+    import ssd_jax.autotune as autotune
+    path = tmp_path_factory.mktemp("autotune") / "autotune.json"
+    mp = pytest.MonkeyPatch()
+    mp.setattr(autotune, "store_path",
+               lambda cache_dir=None: Path(cache_dir) / "autotune.json" if cache_dir else path)
+    yield path
+    mp.undo()

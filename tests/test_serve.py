@@ -90,6 +90,23 @@ def test_openai_client_completions_and_chat_equal_offline(served):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_stop_strings_cut_the_text_across_tokens(served):
+    """A stop string taken from the middle of the reference answer (so it spans tokens, or
+    sits inside one): the text ends right before it, finish_reason "stop", streamed or not."""
+    server, url, want = served
+    client = _client(url)
+    text, n, _ = want["long", PROMPTS[3]]
+    stop = text[9:13]
+    cut = text[:text.find(stop)]
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": PROMPTS[3]}], max_tokens=n,
+              temperature=0, stop=[stop, "never appears"], extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].message.content == cut and r.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == cut
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
 def test_staggered_requests_join_a_running_batch(served):
     """Eight requests of different lengths, arriving 0.05 s apart into 4 slots: each equals its
     offline output alone, and requests join while others decode (never waiting for the batch

@@ -30,9 +30,8 @@ class NeuralBackup:
         B, V = rows.last.shape[0], cfg.vocab.draft_size
 
         def run(_):
-            toks, q, _ = draft_decode(model, cfg.vocab, rows.last[:, None], rows.lengths,
-                                      ds.cache, req, cfg.k, cfg.greedy_only,
-                                      Saguaro(ds.fan.primary, cfg.c, cfg.fmax))
+            toks, q, _ = draft_decode(model, cfg, rows.last[:, None], rows.lengths, ds.cache,
+                                      req, Saguaro(ds.fan.primary, cfg.c, cfg.fmax))
             return toks, q
 
         def skip(_):

@@ -24,6 +24,7 @@ import numpy as np
 
 from ssd_jax.config import SamplingParams
 from ssd_jax.core.batch import Batch, make_batch
+from ssd_jax.core.draft import DraftConfig
 from ssd_jax.core.rounds import DraftSide, RoundState, TargetSide, ssd_round
 from ssd_jax.core.speculation import sd_speculation
 from ssd_jax.core.transport import LocalLink
@@ -91,6 +92,8 @@ class LiveBatch:
             spec_t = link.speculation(spec_d)
         elif mode == "sd":
             self.draft_cache = draft_runner.new_cache(slots, seq_len)
+            self.sd_cfg = DraftConfig(draft_runner.graphdef, vocab, spec.k, budget=0,
+                                      greedy_only=False)
         self.state = RoundState(ts, ds, spec_t)
         self.slots = slots
 
@@ -143,8 +146,8 @@ class LiveBatch:
             s, t_rec, _ = ssd_round(self.target, self.draft, self.link, s)
             out, hit = t_rec[0], np.asarray(t_rec[3])
         elif self.mode == "sd":
-            spec, self.draft_cache = sd_speculation(self.draft_runner, self.vocab, s.target.rows,
-                                                    self.draft_cache, req, self.spec.k, False)
+            spec, self.draft_cache = sd_speculation(self.draft_runner, self.sd_cfg,
+                                                    s.target.rows, self.draft_cache, req)
             ts, _, out = self.target.verify(s.target, spec)
             s = RoundState(ts, None, None)
         else:

@@ -232,7 +232,9 @@ def sd_loop(target: TargetSide, draft: ModelRunner, vocab, draft_cache: KVCache,
             metrics: RunMetrics, sync_every: int) -> Iterator[Chunk]:
     """Ordinary speculative decoding on the target's devices: the draft proposes K tokens
     (speculation.sd_speculation), the target verifies them (the SSD round's target step)."""
-    b, k, timed = target.batch, metrics.k, metrics.sync_phases
+    b, timed = target.batch, metrics.sync_phases
+    cfg = DraftConfig(draft.graphdef, vocab, metrics.k, budget=0, greedy_only=b.greedy_only)
+    k = cfg.k
     t0 = time.perf_counter()
     state = target.prefill()
     draft_cache = draft.fill(vocab.draft_ids(b.tokens), draft_cache)
@@ -245,8 +247,7 @@ def sd_loop(target: TargetSide, draft: ModelRunner, vocab, draft_cache: KVCache,
         outs = []
         for _ in range(sync_every):
             ts = time.perf_counter()
-            spec, draft_cache = sd_speculation(draft, vocab, state.rows, draft_cache, b.req, k,
-                                               b.greedy_only)
+            spec, draft_cache = sd_speculation(draft, cfg, state.rows, draft_cache, b.req)
             if timed:
                 spec.tokens.block_until_ready()
             tv = time.perf_counter()

@@ -71,13 +71,14 @@ def propose(logits: Float[Array, "B N Vd"], req: Requests, positions: Int[Array,
     return vocab.target_ids(tok), q
 
 
-def draft_decode(model, vocab, tokens: Int[Array, "B T"], start: Int[Array, " B"],
-                 cache: KVCache, req: Requests, k: int, greedy_only: bool,
-                 saguaro: Saguaro | None = None):
-    """K draft tokens after `tokens` (fed at start..start+T-1, the cache valid below `start`),
-    each from the logits of the newest token. The new K/V ride in the attention's `extra` block
+def draft_decode(model, cfg, tokens: Int[Array, "B T"], start: Int[Array, " B"],
+                 cache: KVCache, req: Requests, saguaro: Saguaro | None = None):
+    """K = cfg.k draft tokens after `tokens` (fed at start..start+T-1, the cache valid below
+    `start`), each from the logits of the newest token; `cfg` is the draft's static
+    draft.DraftConfig (vocab, k, greedy_only). The new K/V ride in the attention's `extra` block
     (T + K - 1 positions from `start`) and are returned, not written: SD commits them, SSD's
     backup drops them. Returns (drafts [B, K], q [B, K, Vd] | None, new K/V)."""
+    vocab, k, greedy_only = cfg.vocab, cfg.k, cfg.greedy_only
     B, T = tokens.shape
     x, extra = tokens, None
     pos = start[:, None] + jnp.arange(T)
@@ -97,21 +98,21 @@ def draft_decode(model, vocab, tokens: Int[Array, "B T"], start: Int[Array, " B"
     return jnp.stack(toks, 1), (None if greedy_only else jnp.stack(qs, 1)), extra
 
 
-@partial(jax.jit, static_argnames=("graphdef", "vocab", "k", "greedy_only"))
-def _sd_draft(graphdef, params, vocab, rows: RowState, cache: KVCache, req: Requests, k: int,
-              greedy_only: bool) -> tuple[Speculation, KVCache]:
+@partial(jax.jit, static_argnames=("cfg",))
+def _sd_draft(cfg, params, rows: RowState, cache: KVCache, req: Requests
+              ) -> tuple[Speculation, KVCache]:
     # [prev, r] at [L-1, L]: re-feeding prev is harmless when it is already in the cache and
     # necessary after a full acceptance, where the last draft token s_K was never fed.
     tokens = jnp.stack([rows.prev, rows.last], axis=1)
-    drafts, q, kv = draft_decode(nnx.merge(graphdef, params), vocab, tokens, rows.lengths - 1,
-                                 cache, req, k, greedy_only)
+    drafts, q, kv = draft_decode(nnx.merge(cfg.graphdef, params), cfg, tokens, rows.lengths - 1,
+                                 cache, req)
     no = jnp.zeros_like(rows.done)
-    return Speculation(drafts, None if q is None else vocab.target_probs(q), no, ~no), kv
+    return Speculation(drafts, None if q is None else cfg.vocab.target_probs(q), no, ~no), kv
 
 
-def sd_speculation(draft, vocab, rows: RowState, cache: KVCache, req: Requests, k: int,
-                   greedy_only: bool) -> tuple[Speculation, KVCache]:
-    """SD's drafting with `draft` (a ModelRunner): K tokens after r, the draft cache committed
-    through position L+K-1."""
-    spec, kv = _sd_draft(draft.graphdef, draft.params, vocab, rows, cache, req, k, greedy_only)
+def sd_speculation(draft, cfg, rows: RowState, cache: KVCache, req: Requests
+                   ) -> tuple[Speculation, KVCache]:
+    """SD's drafting with `draft` (a ModelRunner) and its static draft.DraftConfig: K tokens
+    after r, the draft cache committed through position L+K-1."""
+    spec, kv = _sd_draft(cfg, draft.params, rows, cache, req)
     return spec, commit(cache, kv, rows.lengths - 1)

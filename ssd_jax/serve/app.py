@@ -118,7 +118,8 @@ def build_app(server) -> Starlette:
     async def health(_: HTTPRequest):
         ok = server.scheduler.error is None
         return JSONResponse({"status": "ok" if ok else "failed", "mode": server.mode,
-                             "slots": server.slots}, status_code=200 if ok else 503)
+                             "slots": server.slots, "k": server.spec.k,
+                             "budget": server.spec.budget}, status_code=200 if ok else 503)
 
     async def metrics(_: HTTPRequest):
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
