@@ -287,15 +287,21 @@ def run_peers(args, base: Point, suites, ids, with_draft: bool, threads: int,
 
 def report(results: dict, args) -> None:
     from bench.results import detail_table, section, summary_table, update_readme
+    def save() -> None:
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "bench.json").write_text(json.dumps(results, indent=1))
+
+    save()  # the measurements first: nothing that may fail on them (plots, tables) loses them
     if args.out:
         out = Path(args.out)
         from bench.plots import make_plots
         results["plots"] = make_plots(results, out)
-        (out / "bench.json").write_text(json.dumps(results, indent=1))
+        save()
         (out / "results.md").write_text(section(results, "."))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=1))
     if args.readme:
         plot_dir = (os.path.relpath(Path(args.out).resolve(), Path(args.readme).resolve().parent)
                     if args.out else None)

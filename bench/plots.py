@@ -42,6 +42,12 @@ def _speedups(results, field, mode):
     return xs, ys
 
 
+def _sum(hists) -> np.ndarray:
+    """Accept-length histograms of cells with different K, summed (shorter ones zero-padded)."""
+    width = max(len(h) for h in hists)
+    return sum(np.pad(np.asarray(h), (0, width - len(h))) for h in hists)
+
+
 def make_plots(results: dict, out: Path) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
@@ -80,10 +86,12 @@ def make_plots(results: dict, out: Path) -> list[str]:
             if not cs:
                 continue
             if m == "ssd" and all(c.get("ssd") for c in cs):
-                bars.append(("SSD after hit", sum(np.array(c["ssd"]["accept_hist_hit"]) for c in cs)))
-                bars.append(("SSD after miss", sum(np.array(c["ssd"]["accept_hist_miss"]) for c in cs)))
+                bars.append(("SSD after hit", _sum([c["ssd"]["accept_hist_hit"] for c in cs])))
+                bars.append(("SSD after miss", _sum([c["ssd"]["accept_hist_miss"] for c in cs])))
             else:
-                bars.append((LABELS[m], sum(np.array(c["accept_hist"]) for c in cs)))
+                bars.append((LABELS[m], _sum([c["accept_hist"] for c in cs])))
+        width = max(len(h) for _, h in bars)  # cells may differ in K (k=auto chooses per cell)
+        bars = [(lab, np.pad(h, (0, width - len(h)))) for lab, h in bars]
         total = {lab: h.sum() for lab, h in bars}
         w = 0.8 / len(bars)
         for i, (lab, h) in enumerate(bars):
