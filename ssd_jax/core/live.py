@@ -30,6 +30,7 @@ from ssd_jax.core.speculation import sd_speculation
 from ssd_jax.core.transport import LocalLink
 
 
+OBSERVE_EVERY = 8
 STOP_WIDTH = 16  # stop ids per request: one width, so every join writes the same shape
 
 
@@ -96,6 +97,7 @@ class LiveBatch:
                                       greedy_only=False)
         self.state = RoundState(ts, ds, spec_t)
         self.slots = slots
+        self._records: list = []  # SSD: draft-side outcomes since the fan-out's last refit
 
     def _batch(self, ids, params) -> Batch:
         return _live(make_batch(ids, params, [[]] * len(ids), self.bucket))
@@ -143,8 +145,14 @@ class LiveBatch:
         SSD, whether each row's verified speculation was a cache hit."""
         s, req, hit = self.state, self.target.batch.req, None
         if self.mode == "ssd":
-            s, t_rec, _ = ssd_round(self.target, self.draft, self.link, s)
+            s, t_rec, d_rec = ssd_round(self.target, self.draft, self.link, s)
             out, hit = t_rec[0], np.asarray(t_rec[3])
+            # The fan-out (and an automatic backup) learn from the outcomes, as offline: refit
+            # every OBSERVE_EVERY rounds, not every round (new lists are a host->device copy).
+            self._records.append(d_rec)
+            if len(self._records) == OBSERVE_EVERY:
+                s.draft = self.draft.observe(self._records, s.draft, None)
+                self._records = []
         elif self.mode == "sd":
             spec, self.draft_cache = sd_speculation(self.draft_runner, self.sd_cfg,
                                                     s.target.rows, self.draft_cache, req)
