@@ -213,16 +213,33 @@ def run(args, argv) -> dict:
     finally:
         if hasattr(llm, "close"):
             llm.close()
+    if args.out:  # a checkpoint of the main cells, before the add-ons run
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "cells_partial.json").write_text(json.dumps(out_cells, indent=1))
+
+    def extra(what: str, fn) -> list[dict]:
+        # A failing add-on (peers need transformers' GGUF reader, all-cores a second engine)
+        # must not lose the main cells already measured: it becomes a note.
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - reported in the results' notes
+            notes.append(f"{what} failed and is missing: {type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}")
+            print(f"ssd-bench: {notes[-1]}", file=sys.stderr)
+            return []
+
     if args.all_cores and driver == "processes":
-        out_cells += run_all_cores(args, make_llm, engine, points, modes, suites, ids)
+        out_cells += extra("--all-cores", lambda: run_all_cores(
+            args, make_llm, engine, points, modes, suites, ids))
         notes.append(f"ar-all / sd-all: AR and SD in the bench's own process on all "
                      f"{len(os.sched_getaffinity(0))} usable cores (XLA:CPU spreads each "
                      "computation over them), the choice of a CPU user without SSD.")
     threads = args.torch_threads or (1 if driver == "processes" else os.cpu_count())
     if args.peers:
         chosen = [c["k"] for c in out_cells if c["mode"] == "sd" and c.get("automatic")]
-        out_cells += run_peers(args, points[0], suites, ids, needs_draft, threads,
-                               peer_k=chosen[0] if chosen else 4)
+        out_cells += extra("--peers", lambda: run_peers(
+            args, points[0], suites, ids, needs_draft, threads,
+            peer_k=chosen[0] if chosen else 4))
     if driver != "processes" and "ssd" in modes:
         import jax
         if split is None or jax.devices()[0].platform == "cpu":
