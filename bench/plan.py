@@ -45,7 +45,53 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--overhead-us", type=float, default=0.0, help="fixed cost per forward")
     p.add_argument("--collective-us", type=float, default=None,
                    help="small-collective latency (default: the device table's)")
+    p.add_argument("--devices-per-host", type=int, default=None,
+                   help="accelerators per host (a pod or cluster): prints which host holds "
+                        "what and each host's launch command")
+    p.add_argument("--coordinator", default="HOST0:8476",
+                   help="host:port of process 0 in the printed launch commands")
     return p
+
+
+def hosts(s: Setup, per_host: int, coordinator: str) -> list[str]:
+    """Which host holds what, by the engine's own split (sharding.plan_split gives the draft
+    whole hosts), and the launch command of each host. Raises LayoutError for a split that
+    puts both groups on one host (each process belongs to one group)."""
+    from types import SimpleNamespace
+    from ssd_jax.sharding import plan_split
+    n = s.target_devices + s.draft_devices
+    n_hosts = -(-n // per_host)
+    devices = [SimpleNamespace(process_index=h, id=h * per_host + i)
+               for h in range(n_hosts) for i in range(per_host)]
+    target, draft = plan_split(devices, s.target_devices, s.draft_devices)
+    held = {h: [] for h in range(n_hosts)}
+    for side, group in (("target", target), ("draft", draft)):
+        for shard, d in enumerate(group):
+            held[d.process_index].append((side, shard))
+    both = [h for h, x in held.items() if len({side for side, _ in x}) > 1]
+    if both:
+        raise LayoutError(
+            f"host {both[0]} would hold devices of both the target and the draft: with "
+            f"{per_host} devices per host give the draft a multiple of {per_host} devices "
+            f"(whole hosts), or run one process per device")
+    env = (f"SSD_JAX_COORDINATOR={coordinator} SSD_JAX_NUM_PROCESSES={n_hosts} "
+           "SSD_JAX_PROCESS_ID={i}")
+    cmd = (f"python -m ssd_jax --model {s.target_name} --draft {s.draft_name} --mode ssd "
+           f"--k {s.k} --mesh {s.target_devices},{s.draft_devices} --prompt ...")
+    lines = ["", f"hosts ({n_hosts} x {per_host} devices; every host runs the same command, "
+             "its process id set; Slurm, Open MPI and Cloud TPU set these themselves)"]
+    for h, x in held.items():
+        if not x:
+            what = "nothing (idle: it joins the job and waits)"
+        else:
+            side = x[0][0]
+            shards = [i for _, i in x]
+            what = (f"{side} shards {shards[0]}-{shards[-1]} of TP-{len(target if side == 'target' else draft)}"
+                    + (" (lead: requests and results)" if h == target[0].process_index else ""))
+        lines.append(f"  host {h}: {what}")
+    lines += ["", "launch (each host):", "  " + env.replace("{i}", "<host index>") + " \\",
+              "    " + cmd]
+    return lines
 
 
 def _split(config, tp: int) -> str:
@@ -124,7 +170,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(report(s, a))
+    lines = [report(s, a)]
+    if args.devices_per_host:
+        try:
+            lines += hosts(s, args.devices_per_host, args.coordinator)
+        except LayoutError as e:
+            print(f"plan refused: {e}", file=sys.stderr)
+            return 2
+    print("\n".join(lines))
     return 0
 
 

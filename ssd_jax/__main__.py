@@ -97,6 +97,9 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {_cli_words(e)}", file=sys.stderr)
         return 2
+    if not llm.is_lead:  # a pod process other than the lead: it serves the lead's runs
+        llm.follow()
+        return 0
     with llm:
         try:
             compile_s = llm.warmup(args.prompt, params, mode=args.mode)

@@ -32,19 +32,16 @@ log = logging.getLogger(__name__)
 Shapes = tuple[int, int, int]  # (padded batch, prompt bucket, cache length)
 
 
-def _check_addressable(split, mesh) -> None:
-    """The decode loops drive their meshes from this process: refuse a split that spans
-    devices of other processes (a multi-host job) with the ways that do work."""
+def _pod_of(split):
+    """A split whose meshes span devices of other processes makes this engine one process of a
+    pod (runtime/pod.py); None when this process drives both meshes itself."""
     if split is None or jax.process_count() == 1:
-        return
-    foreign = [d for m in (split.target, split.draft) for d in m.devices.flat
-               if d.process_index != jax.process_index()]
-    if foreign:
-        raise NotImplementedError(
-            f"mesh={mesh} spans {len(foreign)} devices of other processes: decode loops over "
-            f"several hosts are not implemented yet. Use a mesh within this process's "
-            f"{jax.local_device_count()} devices, or set SSD_JAX_DISTRIBUTED=0 and run one "
-            f"engine per host")
+        return None
+    if all(d.process_index == jax.process_index()
+           for m in (split.target, split.draft) for d in m.devices.flat):
+        return None
+    from ssd_jax.runtime.pod import Pod
+    return Pod.of(split, jax.process_index(), jax.process_count())
 
 
 class Engine:
@@ -79,7 +76,10 @@ class Engine:
                     "target's): it cannot be the target; use it as a draft, e.g. "
                     f"LLM('smollm2', draft={str(model)!r})")
         self.split = split_devices(*config.mesh) if config.mesh else None
-        _check_addressable(self.split, config.mesh)
+        self.pod = _pod_of(self.split)
+        self._control = self._watchdog = self._exchange = None
+        if self.pod is not None:
+            self._join_pod()
         self.has_draft, self.vocab = draft is not None, None
         if draft is not None:
             if isinstance(draft, Transformer):
@@ -141,7 +141,10 @@ class Engine:
         return mode
 
     def driver(self, mode: str) -> str:
-        """Where a run executes: "single" (this process) or "processes" (pinned workers)."""
+        """Where a run executes: "single" (this process), "processes" (pinned workers) or
+        "pod" (this process and the others of a multi-process job, each with its group)."""
+        if self.pod is not None:
+            return "pod"
         d = self.config.driver
         if d == "auto":
             # On CPU one process cannot run draft and target concurrently (XLA:CPU spreads
@@ -154,9 +157,119 @@ class Engine:
         return d
 
     def close(self) -> None:
-        """Stop worker processes, if any were started."""
+        """Stop worker processes, if any were started; in a pod, the lead stops the followers."""
         if self.pool is not None:
             self.pool.close()
+        if self.pod is not None and self._watchdog is not None:
+            if self.pod.is_lead:
+                self._control.publish(dict(kind="stop"))
+            self._watchdog.stop()
+            self._watchdog = None
+
+    # ---------------------------------------------------------------- pods
+    def _join_pod(self) -> None:
+        import atexit
+        from ssd_jax.runtime.pod import Control, Watchdog
+        from ssd_jax.core.transport import GroupExchange
+        self._control = Control(self.pod)
+        self._watchdog = Watchdog(self.pod)
+        self._watchdog.start()
+        atexit.register(self.close)
+        if self.pod.role != "idle":
+            self._exchange = GroupExchange(self.split.target, self.split.draft)
+        log.info("pod of %d processes:\n%s", self.pod.n_processes, self.pod.describe())
+
+    def follow(self) -> None:
+        """A pod process other than the lead: run this process's part of every request the
+        lead publishes, until it stops (Engine.close on the lead, or its exit)."""
+        from ssd_jax.runtime.pod import PodError
+        if self.pod is None or self.pod.is_lead:
+            raise PodError("only the non-lead processes of a pod follow")
+        while True:
+            msg = self._control.receive()
+            if msg["kind"] == "stop":
+                break
+            seq = self._control.seq - 1
+            role = self.pod.role
+            if role == "idle" or (role == "draft" and msg["mode"] != "ssd"):
+                continue
+            metrics = RunMetrics(mode=msg["mode"], batch=len(msg["ids"]),
+                                 k=msg["spec"]["k"] if msg["mode"] != "ar" else 0,
+                                 sync_phases=msg["sync_phases"])
+            try:
+                for _ in self._pod_side(msg, metrics):
+                    pass
+            except Exception as e:
+                self._pod_failed(e)
+            if role == "draft" and self.pod.process == self.pod.draft_procs[0]:
+                self._control.report(seq, metrics.ssd.to_dict())
+        self._watchdog.stop()
+        self._watchdog = None
+
+    def _pod_failed(self, e: Exception):
+        """A step that failed in one process leaves the job's processes out of step (the
+        others wait in collectives it will never join): say why in one line and end this
+        process now, without JAX's exit barrier; the others see it gone (pod.Watchdog).
+        A collective with a dead process fails here too (gloo: connection reset)."""
+        import os
+        import sys
+        import traceback
+        from ssd_jax.runtime.pod import EXIT_PEER_LOST
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        me = self.pod.name(self.pod.process)
+        if any(w in text for w in ("Gloo", "Connection reset", "closed", "UNAVAILABLE")):
+            # Another process died mid-collective. The watchdog names it once its heartbeat
+            # is stale, and ends this process; wait for that rather than guess here.
+            self._watchdog.join(self._watchdog.timeout + 10)
+            print(f"ssd_jax: {me}: a collective with the other processes failed ({text[:160]})"
+                  ": another process of the job has died; exiting", file=sys.stderr, flush=True)
+            os._exit(EXIT_PEER_LOST)
+        traceback.print_exc()
+        print(f"ssd_jax: {me} failed ({type(e).__name__}: {text[:300]}); the job cannot go on "
+              "without it: exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def _run_in_pod(self, ids, params, stops, mode, seq_len, spec: SpecConfig,
+                    metrics: RunMetrics) -> Iterator[tuple[list[list[int]], RunMetrics]]:
+        """The lead: publish the request, run the target group's loop here, gather the draft
+        group's statistics at the end."""
+        from ssd_jax.core.metrics import SSDStats
+        msg = dict(kind="run", mode=mode, ids=ids, params=[asdict(p) for p in params],
+                   stops=stops, spec=asdict(spec), seq_len=seq_len,
+                   sync_phases=metrics.sync_phases)
+        seq = self._control.publish(msg)
+        chunks = self._pod_side(msg, metrics)
+        try:
+            for chunk in chunks:
+                yield chunk, metrics
+        except GeneratorExit:
+            # The caller stopped reading (warmup, a closed stream); the other processes run
+            # the whole request, so this one does too, or the job's collectives fall out of step.
+            try:
+                for _ in chunks:
+                    pass
+            except Exception as e:
+                self._pod_failed(e)
+            raise
+        except Exception as e:
+            self._pod_failed(e)
+        if mode == "ssd" and metrics.ssd is not None:
+            metrics.ssd.take_draft_side(SSDStats.from_dict(
+                self._control.collect(seq, self.pod.draft_procs[0])))
+
+    def _pod_side(self, msg: dict, metrics: RunMetrics) -> Iterator[list[list[int]]]:
+        """This process's loop of a pod request (the same code in every process of a group)."""
+        from ssd_jax.core.transport import DRAFT, TARGET, CollectiveLink
+        params = [SamplingParams(**p) for p in msg["params"]]
+        batch = make_batch(msg["ids"], params, msg["stops"], self.config.prefill_bucket)
+        spec, mode = SpecConfig(**msg["spec"]), msg["mode"]
+        link = None
+        if mode == "ssd":
+            link = CollectiveLink(self._exchange, TARGET if self.pod.role == "target" else DRAFT,
+                                  batch.size, spec.k, self.model_config.vocab_size,
+                                  batch.greedy_only)
+        return self._decode_here(batch, mode, spec, metrics, msg["seq_len"], link=link,
+                                 role=self.pod.role)
 
     def _workers(self):
         from ssd_jax.runtime.pool import WorkerPool
@@ -193,6 +306,14 @@ class Engine:
         """The settings of this run: the caller's, or chosen through the speed model."""
         if mode == "ar" or not spec.auto:
             return replace(spec, backup=spec.backup_or_default), None
+        if self.pod is not None:
+            # Step costs are measured within one process; across a pod's groups they are not
+            # (yet): a fixed K, said once.
+            if self._logged_choice != "pod":
+                log.warning("automatic settings are not measured across a pod's processes: "
+                            "K=4 (pass SpecConfig(k=...) to choose)")
+                self._logged_choice = "pod"
+            return replace(spec, k=4, backup=spec.backup_or_default), None
         pair = autotune.pair_key(*(p or "model" for p in self.paths))
         a, r = autotune.TuneStore(autotune.store_path(self.cache_dir)).acceptance(pair)
         choice = autotune.choose(self._step_costs(mode, rows), a=a, r=r, batch=rows, mode=mode)
@@ -260,9 +381,16 @@ class Engine:
             metrics = RunMetrics(mode=mode, batch=len(ids), settings=settings)
             yield from self._run_in_workers(ids, params, stops, mode, seq_len, spec, metrics)
             return
-        batch = make_batch(ids, params, stops, self.config.prefill_bucket)
         metrics = RunMetrics(mode=mode, batch=len(ids), sync_phases=sync_phases,
                              k=spec.k if mode != "ar" else 0, settings=settings)
+        if self.pod is not None:
+            if not self.pod.is_lead:
+                from ssd_jax.runtime.pod import PodError
+                raise PodError(f"{self.pod.name(self.pod.process)} follows the lead (process "
+                               f"{self.pod.lead}): call Engine.follow() here, not run")
+            yield from self._run_in_pod(ids, params, stops, mode, seq_len, spec, metrics)
+            return
+        batch = make_batch(ids, params, stops, self.config.prefill_bucket)
         for chunk in self._decode_here(batch, mode, spec, metrics, seq_len):
             yield chunk, metrics
 
@@ -288,6 +416,10 @@ class Engine:
         """A `core.live.LiveBatch` of `slots` rows decoding `mode` in this process (a server's
         continuous batch), with the settings it resolved (automatic ones chosen for `slots`)."""
         from ssd_jax.core.live import LiveBatch
+        if self.pod is not None:
+            raise NotImplementedError(
+                "the server's continuous batch runs in one process; on a pod (a mesh across "
+                "processes) only generate/stream run yet: serve from one host's devices")
         spec, _ = self._spec_for(spec, mode, slots)
         link = LocalLink() if self.split is None else LocalLink(
             self.split.target_replicated, self.split.draft_replicated)
@@ -297,11 +429,22 @@ class Engine:
                          prefill_bucket=self.config.prefill_bucket, spec=spec, link=link), spec
 
     def _decode_here(self, batch: Batch, mode: str, spec: SpecConfig, metrics: RunMetrics,
-                     seq_len: int) -> Iterator[list[list[int]]]:
-        """The decode loop of `mode` in this process, on the device split if there is one."""
-        link = LocalLink() if self.split is None else LocalLink(
-            self.split.target_replicated, self.split.draft_replicated)
-        target = TargetSide(self.runner, batch.place(link.target),
+                     seq_len: int, link=None, role: str | None = None
+                     ) -> Iterator[list[list[int]]]:
+        """The decode loop of `mode` in this process, on the device split if there is one.
+        In a pod, `link` is the groups' CollectiveLink and `role` this process's group: the
+        loop runs that side only."""
+        if link is None:
+            link = LocalLink() if self.split is None else LocalLink(
+                self.split.target_replicated, self.split.draft_replicated)
+        if role == "draft":
+            draft = DraftSide.create(self.draft_runner, self.vocab,
+                                     batch.place(self.split.draft_replicated), spec, seq_len,
+                                     link.to_draft)
+            return ssd_loop(None, draft, link, metrics, self.config.sync_every,
+                            timed=metrics.sync_phases)
+        placed = self.split and self.split.target_replicated
+        target = TargetSide(self.runner, batch.place(placed),
                             self.runner.new_cache(batch.size, seq_len))
         if mode == "ar":
             return ar_loop(target, metrics, self.config.sync_every)
@@ -309,7 +452,11 @@ class Engine:
             draft = self.sd_draft_runner
             return sd_loop(target, draft, self.vocab, draft.new_cache(batch.size, seq_len),
                            metrics, self.config.sync_every)
-        draft = DraftSide.create(self.draft_runner, self.vocab, batch.place(link.draft), spec,
+        if role == "target":
+            return ssd_loop(target, None, link, metrics, self.config.sync_every,
+                            timed=metrics.sync_phases)
+        draft = DraftSide.create(self.draft_runner, self.vocab,
+                                 batch.place(self.split and self.split.draft_replicated), spec,
                                  seq_len, link.to_draft)
         return ssd_loop(target, draft, link, metrics, self.config.sync_every,
                         timed=metrics.sync_phases)

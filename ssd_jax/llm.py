@@ -125,8 +125,28 @@ class LLM:
         return self.core.driver(mode)
 
     def close(self) -> None:
-        """Stop worker processes, if any were started."""
+        """Stop worker processes, if any were started (in a pod, the lead stops the others)."""
         self.core.close()
+
+    # ---------------------------------------------------------------- pods (runtime/pod.py)
+    @property
+    def is_lead(self) -> bool:
+        """False on the processes of a multi-process job that follow its lead (the target
+        group's first process, which owns requests and results); True everywhere else."""
+        return self.core.pod is None or self.core.pod.is_lead
+
+    def follow(self) -> None:
+        """On a pod's non-lead processes: run this process's part (target shards, the draft
+        side, or nothing) of every request the lead makes, until the lead closes. Every host
+        runs the same script:
+
+            llm = LLM(target, draft=draft, engine=EngineConfig(mesh=(16, 8)))
+            if not llm.is_lead:
+                llm.follow()
+                sys.exit(0)
+            print(llm.generate(prompts))
+        """
+        self.core.follow()
 
     def __enter__(self):
         return self

@@ -101,6 +101,25 @@ def plan_split(devices, n_target: int, n_draft: int) -> tuple[list, list]:
     return devices[:n_target], devices[len(devices) - n_draft:]
 
 
+def put(tree, sharding):
+    """`jax.device_put(tree, sharding)`, also onto a mesh that spans other processes (a pod's
+    group mesh), where device_put takes no array already committed to a device: there each
+    process builds its own shards from the host value, which every process of the group holds
+    alike (the same request, the same weights). None: leave the tree as it is."""
+    if sharding is None:
+        return tree
+    if sharding.is_fully_addressable:
+        return jax.device_put(tree, sharding)
+
+    def one(x):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(one(jax.random.key_data(x)),
+                                            impl=jax.random.key_impl(x))
+        v = np.asarray(x)
+        return jax.make_array_from_callback(v.shape, sharding, lambda idx: v[idx])
+    return jax.tree.map(one, tree)
+
+
 def split_devices(n_target: int, n_draft: int, devices=None) -> DeviceSplit:
     target, draft = plan_split(list(devices if devices is not None else jax.devices()),
                                n_target, n_draft)
@@ -121,7 +140,10 @@ def param_shardings(params: nnx.State, config: ModelConfig, mesh: Mesh):
 
 def shard_params(params: nnx.State, config: ModelConfig, mesh: Mesh) -> nnx.State:
     """Place a model's params on `mesh` by the logical rules (replicated on a 1-device mesh)."""
-    return jax.device_put(params, param_shardings(params, config, mesh))
+    shardings = param_shardings(params, config, mesh)
+    if mesh.is_multi_process:  # a pod's group mesh: each process places its own shards
+        return jax.tree.map(put, params, shardings)
+    return jax.device_put(params, shardings)
 
 
 def kv_spec(config: ModelConfig, tp: int) -> P:
@@ -136,4 +158,4 @@ def cache_sharding(config: ModelConfig, mesh: Mesh) -> NamedSharding:
 
 def new_cache(config: ModelConfig, batch: int, seq_len: int, mesh: Mesh | None) -> KVCache:
     cache = KVCache.zeros(config, batch, seq_len)
-    return cache if mesh is None else jax.device_put(cache, cache_sharding(config, mesh))
+    return cache if mesh is None else put(cache, cache_sharding(config, mesh))

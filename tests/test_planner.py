@@ -138,3 +138,28 @@ def test_paper_layout_fits_and_orders_ar_sd_ssd(capsys):
     assert tok_s["AR"] < tok_s["SD"] < tok_s["SSD"]
     assert plan_main(["--target", "llama-3.1-70b", "--draft", "llama-3.2-1b"]) == 2
     assert "use --target-devices 2 or more" in capsys.readouterr().err
+
+
+def test_pod_plan_prints_each_host_and_its_launch_command(capsys):
+    """A 70B target over two v5e-8 hosts, the draft on a third: which host holds what (the
+    engine's own plan_split) and the same command for every host."""
+    rc = plan_main(["--target", "llama-3.1-70b", "--draft", "llama-3.2-1b", "--device",
+                    "tpu-v5e", "--target-devices", "16", "--draft-devices", "8",
+                    "--devices-per-host", "8", "--coordinator", "t0:8476"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "host 0: target shards 0-7 of TP-16 (lead: requests and results)" in out
+    assert "host 1: target shards 8-15 of TP-16" in out
+    assert "host 2: draft shards 0-7 of TP-8" in out
+    assert "SSD_JAX_COORDINATOR=t0:8476 SSD_JAX_NUM_PROCESSES=3" in out
+    assert "--mesh 16,8" in out
+
+
+def test_pod_plan_refuses_groups_sharing_a_host(capsys):
+    # 12 + 4 on two 8-chip hosts: the draft's 4 would be the last 4 chips of host 1
+    rc = plan_main(["--target", "llama-3.1-8b", "--draft", "llama-3.2-1b", "--device",
+                    "tpu-v5e", "--target-devices", "12", "--draft-devices", "4",
+                    "--devices-per-host", "8"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "both the target and the draft" in err and "multiple of 8" in err

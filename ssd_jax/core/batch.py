@@ -10,6 +10,7 @@ import numpy as np
 
 from ssd_jax.config import SamplingParams
 from ssd_jax.core.rows import Requests, RowSampling
+from ssd_jax.sharding import put
 
 
 def round_up(x: int, multiple: int) -> int:
@@ -37,8 +38,8 @@ class Batch:
         them implicitly (a run under jax.transfer_guard("disallow") stays legal)."""
         if sharding is None:
             return self
-        tokens, prompt_len, req = jax.device_put((self.tokens, self.prompt_len, self.req),
-                                                 sharding)
+        # put: also onto a pod's group mesh, which spans processes
+        tokens, prompt_len, req = put((self.tokens, self.prompt_len, self.req), sharding)
         return replace(self, tokens=tokens, prompt_len=prompt_len, req=req)
 
 

@@ -13,7 +13,10 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from ssd_jax.config import ModelConfig
@@ -22,6 +25,7 @@ from ssd_jax.draft_vocab import DraftModel
 from ssd_jax.models.attention import causal_mask
 from ssd_jax.models.transformer import KVCache, Transformer, commit
 from ssd_jax.sampling import next_token
+from ssd_jax.sharding import put
 
 
 def _merge(graphdef, params) -> Transformer | DraftModel:
@@ -111,7 +115,12 @@ class ModelRunner:
     def fill(self, tokens: Int[Array, "B T"], cache: KVCache) -> KVCache:
         """Write a prompt's K/V into the cache (a draft's prefill: its logits are not needed)."""
         _, new_kv = fill_kv(self.graphdef, self.params, tokens, cache)
-        return commit(cache, new_kv, jnp.zeros((tokens.shape[0],), jnp.int32))
+        # Zeros put explicitly on this mesh: a default-device array would be moved there
+        # implicitly, which a run under transfer_guard_device_to_device("disallow") refuses.
+        zeros = np.zeros((tokens.shape[0],), np.int32)
+        if self.mesh is not None:
+            zeros = put(zeros, NamedSharding(self.mesh, P()))
+        return commit(cache, new_kv, zeros)
 
     def forward(self, tokens, positions, cache, prefix_len, mask):
         return forward(self.graphdef, self.params, tokens, positions, cache, prefix_len, mask)

@@ -77,10 +77,102 @@ class Exchange:
         """This side's arrays (created on its default device) onto its devices."""
         return tree if self.local is None else jax.device_put(tree, self.local)
 
-    def swap(self, x: jax.Array) -> jax.Array:
+    def swap(self, x: jax.Array, sender: int | None = None) -> jax.Array:
+        """Send `x`, get the other process's buffer (`sender`: unused, both send)."""
         x = jax.device_put(jnp.asarray(x).reshape(1, -1), self.lead)
         g = jax.make_array_from_single_device_arrays((2, x.shape[1]), self.sharding, [x])
         return self.place(self._swap(g).addressable_shards[0].data[0])
+
+
+class GroupExchange:
+    """Messages between two process groups of one `jax.distributed` job (a pod): the target
+    group's processes hold the target mesh, the draft group's the draft mesh, each possibly
+    spanning several processes.
+
+    A message is one jitted collective over every device of both meshes: each device holds a
+    row, the sending group's first device the message and every other device zeros, and a psum
+    leaves the message on every device (adding zeros is exact, for floats too). Each process
+    then reassembles, from its own devices' rows, the message replicated over its group's mesh:
+    no array crosses devices outside the collective (the decode loop may run under
+    jax.transfer_guard_device_to_device("disallow")), and no process outside the two groups
+    takes part.
+    """
+
+    def __init__(self, target_mesh: Mesh, draft_mesh: Mesh):
+        devices = list(target_mesh.devices.flat) + list(draft_mesh.devices.flat)
+        if len({d.id for d in devices}) != len(devices):
+            raise ValueError("the target and draft meshes share devices: a pod needs disjoint "
+                             "groups (see sharding.plan_split)")
+        self.mesh = Mesh(np.array(devices), ("p",))
+        self.sharding = NamedSharding(self.mesh, P("p"))
+        me = jax.process_index()
+        self.local = [d for d in devices if d.process_index == me]  # in mesh order
+        self.meshes = {TARGET: target_mesh, DRAFT: draft_mesh}
+        self.role = (TARGET if any(d.process_index == me for d in target_mesh.devices.flat)
+                     else DRAFT)
+        self.home = NamedSharding(self.meshes[self.role], P())
+        home = {d.id for d in self.meshes[self.role].devices.flat}
+        self.home_devices = [d for d in self.local if d.id in home]
+        self.first = {TARGET: 0, DRAFT: len(target_mesh.devices.flat)}  # senders' row index
+
+        @partial(jax.jit, static_argnames=("src",))
+        def bcast(x, src: int):
+            @partial(jax.shard_map, mesh=self.mesh, in_specs=P("p"), out_specs=P("p"))
+            def one(x):
+                mine = jax.lax.axis_index("p") == src
+                return jax.lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), "p")
+            return one(x)
+
+        self._bcast = bcast
+
+    def place(self, tree):
+        """Host-made arrays onto this process's group mesh, replicated."""
+        from ssd_jax.sharding import put
+        return put(tree, self.home)
+
+    def swap(self, x: jax.Array, sender: int) -> jax.Array:
+        """The sending group passes the message (replicated over its mesh), the other group
+        zeros of its shape; every process gets the message replicated over its group's mesh."""
+        x = jnp.asarray(x)
+        n = x.size
+        if len(x.sharding.device_set) > 1:
+            if not x.is_fully_replicated:  # every local device needs the whole message
+                x = jax.device_put(x, self.home)
+            by_device = {s.device.id: s.data for s in x.addressable_shards}
+            rows = [by_device[d.id].reshape(1, n) for d in self.local]
+        else:  # a single-device (or host) value: one explicit put per local device
+            rows = [jax.device_put(x.reshape(1, n), d) for d in self.local]
+        g = jax.make_array_from_single_device_arrays((len(self.mesh.devices), n),
+                                                     self.sharding, rows)
+        out = self._bcast(g, src=self.first[sender])
+        mine = {s.device.id: s.data for s in out.addressable_shards}
+        return jax.make_array_from_single_device_arrays(
+            (n,), self.home, [mine[d.id].reshape(n) for d in self.home_devices])
+
+
+# Packing and unpacking are jitted: one dispatch each, and no eager slicing, whose index
+# arrays would be moved onto a multi-device mesh implicitly (a transfer-guard violation).
+@jax.jit
+def _pack_outcome(outcome: Outcome) -> jax.Array:
+    return jnp.concatenate([outcome.n.astype(jnp.int32), outcome.t.astype(jnp.int32)])
+
+
+@partial(jax.jit, static_argnames=("b",))
+def _unpack_outcome(buf: jax.Array, b: int) -> Outcome:
+    return Outcome(buf[:b], buf[b:])
+
+
+@jax.jit
+def _pack_spec(tokens: jax.Array, point_mass: jax.Array, hit: jax.Array) -> jax.Array:
+    return jnp.concatenate([tokens.reshape(-1), point_mass.astype(jnp.int32),
+                            hit.astype(jnp.int32)])
+
+
+@partial(jax.jit, static_argnames=("b", "k"))
+def _unpack_spec(buf: jax.Array, q: jax.Array | None, b: int, k: int) -> Speculation:
+    return Speculation(tokens=buf[:b * k].reshape(b, k), q=q,
+                       point_mass=buf[b * k:b * k + b].astype(bool),
+                       hit=buf[b * k + b:].astype(bool))
 
 
 class CollectiveLink:
@@ -103,22 +195,18 @@ class CollectiveLink:
 
     def outcome(self, outcome: Outcome | None) -> Outcome | None:
         if self.role == TARGET:
-            self.ex.swap(jnp.concatenate([outcome.n.astype(jnp.int32),
-                                          outcome.t.astype(jnp.int32)]))
+            self.ex.swap(_pack_outcome(outcome), TARGET)
             return None
-        buf = self.ex.swap(self._outcome_zeros)
-        return Outcome(buf[:self.B], buf[self.B:])
+        return _unpack_outcome(self.ex.swap(self._outcome_zeros, TARGET), b=self.B)
 
     def speculation(self, spec: Speculation | None) -> Speculation | None:
         B, K = self.B, self.K
         if self.role == DRAFT:
-            self.ex.swap(jnp.concatenate([spec.tokens.reshape(-1), spec.point_mass.astype(
-                jnp.int32), spec.hit.astype(jnp.int32)]))
+            self.ex.swap(_pack_spec(spec.tokens, spec.point_mass, spec.hit), DRAFT)
             if not self.greedy_only:
-                self.ex.swap(spec.q.reshape(-1).astype(jnp.float32))
+                self.ex.swap(spec.q.reshape(-1).astype(jnp.float32), DRAFT)
             return None
-        buf = self.ex.swap(self._spec_zeros)
-        q = None if self.greedy_only else self.ex.swap(self._q_zeros).reshape(B, K, self.V)
-        return Speculation(tokens=buf[:B * K].reshape(B, K), q=q,
-                           point_mass=buf[B * K:B * K + B].astype(bool),
-                           hit=buf[B * K + B:].astype(bool))
+        buf = self.ex.swap(self._spec_zeros, DRAFT)
+        q = None if self.greedy_only else self.ex.swap(self._q_zeros, DRAFT).reshape(
+            B, K, self.V)
+        return _unpack_spec(buf, q, b=B, k=K)

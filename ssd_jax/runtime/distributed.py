@@ -86,6 +86,9 @@ def initialize(env: Mapping[str, str] | None = None) -> bool:
     kwargs = {k: v for k, v in (("coordinator_address", cluster.coordinator),
                                 ("num_processes", cluster.num_processes),
                                 ("process_id", cluster.process_id)) if v is not None}
+    # JAX's own heartbeat ends the job when a process dies (after 100 s by default); ours
+    # (runtime/pod.py) answers in ~20 s with a clearer line, this is the second line of defence.
+    kwargs["heartbeat_timeout_seconds"] = int(os.environ.get("SSD_JAX_HEARTBEAT_S", "45"))
     try:
         jax.distributed.initialize(**kwargs)
     except RuntimeError as e:

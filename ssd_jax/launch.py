@@ -1,0 +1,138 @@
+"""Start a multi-process `jax.distributed` job on this machine, as a pod would run on several
+hosts (like `torchrun` for development and tests):
+
+    python -m ssd_jax.launch --processes 3 --devices-per-process 1 -- \\
+        python -m ssd_jax --model M --draft D --mode ssd --mesh 2,1 --prompt "..."
+
+Each process gets SSD_JAX_COORDINATOR / SSD_JAX_NUM_PROCESSES / SSD_JAX_PROCESS_ID (what
+`runtime.distributed.initialize` reads on a real pod) and, on CPU, its own fake devices. Their
+output is prefixed with `[i]`. When a process fails, the launcher says which, waits up to
+--grace seconds for the others to end by themselves (a pod's processes notice a dead peer on
+their own, runtime/pod.py), then kills what is left; none outlive the launcher.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in each child before exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _pump(i: int, stream, out) -> None:
+    for line in iter(stream.readline, b""):
+        out.write(f"[{i}] {line.decode('utf-8', 'replace')}")
+        out.flush()
+
+
+def _status(code: int) -> str:
+    return f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m ssd_jax.launch",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--processes", type=int, required=True, help="processes in the job")
+    ap.add_argument("--devices-per-process", type=int, default=None,
+                    help="CPU devices per process (XLA's fake host devices); default: JAX's")
+    ap.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
+    ap.add_argument("--grace", type=float, default=60.0,
+                    help="after a failure, seconds the others get to exit by themselves")
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not cmd:
+        print("ssd_jax.launch: error: no command: add `-- python -m ...`", file=sys.stderr)
+        return 2
+    if args.processes < 1:
+        print(f"ssd_jax.launch: error: --processes {args.processes}: give 1 or more",
+              file=sys.stderr)
+        return 2
+    port = args.port or _free_port()
+    procs, pumps = [], []
+    for i in range(args.processes):
+        env = dict(os.environ, SSD_JAX_COORDINATOR=f"127.0.0.1:{port}",
+                   SSD_JAX_NUM_PROCESSES=str(args.processes), SSD_JAX_PROCESS_ID=str(i),
+                   PYTHONUNBUFFERED="1")
+        if args.devices_per_process:
+            flags = [f for f in env.get("XLA_FLAGS", "").split()
+                     if not f.startswith("--xla_force_host_platform_device_count")]
+            env["XLA_FLAGS"] = " ".join(flags + [
+                f"--xla_force_host_platform_device_count={args.devices_per_process}"])
+            env.setdefault("JAX_PLATFORMS", "cpu")
+        p = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        procs.append(p)
+        t = threading.Thread(target=_pump, args=(i, p.stdout, sys.stdout), daemon=True)
+        t.start()
+        pumps.append(t)
+
+    stopping = []
+
+    def stop(signum, _frame):
+        # Forwarded; JAX's preemption notice catches SIGTERM in a distributed process, so
+        # whatever still runs 10 s later is killed.
+        stopping.append(time.monotonic())
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+    failed = None
+    while [p.poll() for p in procs].count(None):  # poll every one: sets returncode
+        if stopping and time.monotonic() - stopping[0] > 10:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        elif failed is None:
+            for i, p in enumerate(procs):
+                if p.returncode not in (None, 0):
+                    failed = (i, time.monotonic())
+                    print(f"ssd_jax.launch: process {i} {_status(p.returncode)}; waiting up to "
+                          f"{args.grace:.0f} s for the others to stop", file=sys.stderr,
+                          flush=True)
+                    break
+        elif time.monotonic() - failed[1] > args.grace:
+            for i, p in enumerate(procs):
+                if p.poll() is None:
+                    print(f"ssd_jax.launch: process {i} did not stop within {args.grace:.0f} s "
+                          "of the failure: killed", file=sys.stderr, flush=True)
+                    p.kill()
+            break
+        time.sleep(0.1)
+    for p in procs:
+        p.wait()
+    for t in pumps:
+        t.join(timeout=5)
+    codes = [p.returncode for p in procs]
+    if failed is not None:
+        print("ssd_jax.launch: " + ", ".join(f"process {i} {_status(c)}"
+                                             for i, c in enumerate(codes)), file=sys.stderr)
+        return codes[failed[0]] if codes[failed[0]] > 0 else 1
+    return next((c for c in codes if c != 0), 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

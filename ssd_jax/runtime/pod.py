@@ -1,0 +1,199 @@
+"""A pod: one `jax.distributed` job whose processes form a target group and a draft group.
+
+Every host runs the same command. After `distributed.initialize()`, the device split
+(`sharding.plan_split`, which gives the draft whole hosts) decides each process's role:
+
+  target group   the processes holding the target mesh (tensor-parallel across them); all of
+                 them run the target's programs SPMD. Its first process is the *lead*: it owns
+                 requests and results (the Python API, CLI or server runs there).
+  draft group    the processes holding the draft mesh; they run SSD's draft side.
+  idle           processes with no device in either mesh (they wait for the end).
+
+The lead publishes each request on JAX's coordination service (its key-value store); the
+others follow (`Engine.follow`): every process of a group then runs the same decode loop over
+its group's global mesh, and the groups exchange the round's messages through
+`core.transport.GroupExchange`. AR and SD run on the target group alone.
+
+Failure is loud: each process beats a counter in the store and watches the others'. A process
+whose beat stops for `SSD_JAX_PEER_TIMEOUT_S` seconds (default 20), or a lost coordinator, makes
+every other process print one line naming it and exit with status 75 (no hang in a collective,
+no orphan). JAX's own heartbeat (set shorter by `distributed.initialize`) is the second line.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from ssd_jax.sharding import DeviceSplit
+
+KEY = "ssd_jax/pod"
+EXIT_PEER_LOST = 75  # EX_TEMPFAIL: another process of the job died
+
+
+class PodError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Pod:
+    """Which process holds what, from the global device split."""
+
+    split: DeviceSplit
+    target_procs: tuple[int, ...]
+    draft_procs: tuple[int, ...]
+    process: int
+    n_processes: int
+
+    @classmethod
+    def of(cls, split: DeviceSplit, process: int, n_processes: int) -> "Pod":
+        procs = [tuple(sorted({d.process_index for d in m.devices.flat}))
+                 for m in (split.target, split.draft)]
+        shared = set(procs[0]) & set(procs[1])
+        if shared:
+            raise PodError(
+                f"process(es) {sorted(shared)} would hold devices of both the target and the "
+                f"draft mesh: in a multi-process job each process belongs to one group. Give "
+                f"the draft whole processes (draft devices a multiple of the devices per "
+                f"process), or run one process per device")
+        return cls(split, procs[0], procs[1], process, n_processes)
+
+    @property
+    def lead(self) -> int:
+        return self.target_procs[0]
+
+    @property
+    def is_lead(self) -> bool:
+        return self.process == self.lead
+
+    def role_of(self, process: int) -> str:
+        return ("target" if process in self.target_procs else
+                "draft" if process in self.draft_procs else "idle")
+
+    @property
+    def role(self) -> str:
+        return self.role_of(self.process)
+
+    def name(self, process: int) -> str:
+        lead = " lead" if process == self.lead else ""
+        return f"process {process} ({self.role_of(process)} group{lead})"
+
+    def describe(self) -> str:
+        """One line per process: its group and its devices in the meshes."""
+        lines = []
+        for p in range(self.n_processes):
+            held = []
+            for side, mesh in (("target", self.split.target), ("draft", self.split.draft)):
+                ids = [i for i, d in enumerate(mesh.devices.flat) if d.process_index == p]
+                if ids:
+                    held.append(f"{side} TP-{mesh.devices.size} shards {ids}")
+            lines.append(f"{self.name(p)}: {', '.join(held) or 'no devices in either mesh'}")
+        return "\n".join(lines)
+
+
+def _client():
+    from jax._src import distributed
+    client = distributed.global_state.client
+    if client is None:
+        raise PodError("a pod needs jax.distributed: call ssd_jax.runtime.distributed."
+                       "initialize() first thing on every process (python -m ssd_jax.launch "
+                       "starts a local job)")
+    return client
+
+
+def _die(message: str) -> None:
+    print(f"ssd_jax: {message}", file=sys.stderr, flush=True)
+    os._exit(EXIT_PEER_LOST)  # not sys.exit: JAX's shutdown barrier would wait for the dead
+
+
+class Watchdog(threading.Thread):
+    """Beats this process's counter and watches the others' (module docstring)."""
+
+    def __init__(self, pod: Pod, period_s: float = 1.0, timeout_s: float | None = None):
+        super().__init__(name="ssd_jax-pod-watchdog", daemon=True)
+        self.pod, self.period = pod, period_s
+        self.timeout = timeout_s or float(os.environ.get("SSD_JAX_PEER_TIMEOUT_S", "20"))
+        self.client = _client()
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        me, beat = self.pod.process, 0
+        seen: dict[int, tuple[str, float]] = {}
+        start = time.monotonic()
+        while not self.stopped.wait(self.period):
+            beat += 1
+            try:
+                self.client.key_value_set(f"{KEY}/beat/{me}", str(beat), allow_overwrite=True)
+                now = time.monotonic()
+                for p in range(self.pod.n_processes):
+                    if p == me or _try_get(self.client, f"{KEY}/bye/{p}") is not None:
+                        continue
+                    value = _try_get(self.client, f"{KEY}/beat/{p}") or ""
+                    if p not in seen or seen[p][0] != value:
+                        seen[p] = (value, now)
+                    elif now - seen[p][1] > self.timeout and now - start > self.timeout:
+                        _die(f"{self.pod.name(p)} stopped responding (no heartbeat for "
+                             f"{self.timeout:.0f} s): it has died or hangs; "
+                             f"{self.pod.name(me)} exits too")
+            except Exception as e:  # noqa: BLE001 - the store itself is gone
+                if self.stopped.is_set():
+                    return
+                _die(f"{self.pod.name(me)} lost the job's coordination service (held by "
+                     f"process 0, {self.pod.role_of(0)} group): process 0 has died "
+                     f"({type(e).__name__}: {str(e).splitlines()[0][:120]}); exiting")
+
+    def stop(self) -> None:
+        """A clean exit: the others stop watching this process."""
+        try:
+            self.client.key_value_set(f"{KEY}/bye/{self.pod.process}", "1",
+                                      allow_overwrite=True)
+        except Exception:  # noqa: BLE001 - the job is ending anyway
+            pass
+        self.stopped.set()
+
+
+def _try_get(client, key: str) -> str | None:
+    try:
+        return client.key_value_try_get(key)
+    except Exception as e:  # noqa: BLE001 - NOT_FOUND is how a missing key is reported
+        if "NOT_FOUND" in str(e) or "not found" in str(e).lower():
+            return None
+        raise
+
+
+class Control:
+    """The lead's requests to the followers, and the followers' reports, in JAX's store."""
+
+    def __init__(self, pod: Pod):
+        self.pod, self.client = pod, _client()
+        self.seq = 0
+
+    def publish(self, message: dict) -> int:
+        """Lead: the next message (a run, or stop). Returns its sequence number."""
+        seq = self.seq
+        self.client.key_value_set(f"{KEY}/msg/{seq}", json.dumps(message))
+        self.seq += 1
+        return seq
+
+    def receive(self) -> dict:
+        """Follower: wait for the lead's next message (the watchdog ends the wait if it dies)."""
+        key = f"{KEY}/msg/{self.seq}"
+        while True:
+            try:
+                raw = self.client.blocking_key_value_get(key, 5_000)
+                break
+            except Exception as e:  # noqa: BLE001 - a timeout: keep waiting
+                if "DEADLINE" not in str(e).upper() and "timed out" not in str(e).lower():
+                    raise
+        self.seq += 1
+        return json.loads(raw)
+
+    def report(self, seq: int, payload: dict) -> None:
+        self.client.key_value_set(f"{KEY}/report/{seq}/{self.pod.process}", json.dumps(payload))
+
+    def collect(self, seq: int, process: int, timeout_s: float = 600.0) -> dict:
+        return json.loads(self.client.blocking_key_value_get(f"{KEY}/report/{seq}/{process}",
+                                                             int(timeout_s * 1000)))

@@ -1,0 +1,143 @@
+"""Pods: one jax.distributed job of several processes (started by `python -m ssd_jax.launch`,
+as a pod's hosts would start), the target tensor-parallel across processes and the draft on
+processes of its own. The oracle is this process's 1-device run; tests/pod_job.py is what
+every process of the job runs.
+
+Layouts:
+  3 processes x 1 device   target TP-2 across processes 0 and 1, draft on process 2.
+  4 processes x 2 devices  target TP-4 across processes 0 and 1; plan_split gives the draft
+                           the last whole host (process 3, TP-2), process 2 holds nothing: a
+                           spare host in the job, which must follow and end with the rest.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ssd_jax import LLM, EngineConfig, SamplingParams
+from ssd_jax.config import SpecConfig
+from tests.conftest import save_noisy_draft
+
+JOB = str(Path(__file__).with_name("pod_job.py"))
+ROOT = str(Path(__file__).resolve().parents[1])
+PROMPTS = [[5, 9, 11], list(range(20, 39)), [7] * 8]
+SECOND = [[6, 2, 4], list(range(40, 58)), [9] * 5]
+GREEDY = SamplingParams(max_new_tokens=20, ignore_eos=True)
+SAMPLED = [SamplingParams(max_new_tokens=16, temperature=1.0, seed=s, ignore_eos=True)
+           for s in (11, 12, 13)]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama, tmp_path_factory):
+    path = tmp_path_factory.mktemp("pod_draft")
+    save_noisy_draft(tiny_llama[1], path)
+    return str(tiny_llama[0]), str(path)
+
+
+@pytest.fixture(scope="module")
+def oracle(pair):
+    """What one process on one device gives: AR greedy, and sampled SSD for the seeds."""
+    target, draft = pair
+    ar = LLM(target, progress=False)
+    llm = LLM(target, draft=draft, spec=SpecConfig(k=3, budget=8), progress=False,
+              engine=EngineConfig(max_batch=4, max_seq_len=256, prefill_bucket=16,
+                                  driver="single"))
+    return dict(
+        ar=[o.token_ids for o in ar.generate(PROMPTS, GREEDY, mode="ar", chat=False)],
+        second=[o.token_ids for o in ar.generate(SECOND, GREEDY, mode="ar", chat=False)],
+        sampled_ssd=[o.token_ids for o in llm.generate(PROMPTS, SAMPLED, mode="ssd",
+                                                       chat=False)])
+
+
+def _launch(processes: int, devices: int, *job_args: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]), SSD_JAX_PEER_TIMEOUT_S="15")
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "ssd_jax.launch", "--processes", str(processes),
+           "--devices-per-process", str(devices), "--", sys.executable, JOB, *job_args]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def _run_job(pair, tmp_path, processes, devices, mesh) -> dict:
+    out = tmp_path / "out.json"
+    proc = _launch(processes, devices, *pair, str(out), "--mesh", mesh, "--sampled")
+    log, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, log[-4000:]
+    return json.loads(out.read_text())
+
+
+def _check(got: dict, oracle: dict) -> None:
+    for mode in ("ssd", "sd", "ar"):
+        assert got[mode] == oracle["ar"], mode
+    assert got["second"] == oracle["second"]
+    assert got["second_compiles"] == 0  # a second batch of the same shapes reuses programs
+    assert got["sampled_ssd"] == oracle["sampled_ssd"]
+
+
+def test_three_processes_target_tp2_across_two(pair, oracle, tmp_path):
+    got = _run_job(pair, tmp_path, 3, 1, "2,1")
+    assert got["pod"].splitlines() == [
+        "process 0 (target group lead): target TP-2 shards [0]",
+        "process 1 (target group): target TP-2 shards [1]",
+        "process 2 (draft group): draft TP-1 shards [0]"]
+    _check(got, oracle)
+
+
+@pytest.mark.slow
+def test_four_processes_two_devices_target_tp4_draft_tp2(pair, oracle, tmp_path):
+    got = _run_job(pair, tmp_path, 4, 2, "4,2")
+    assert got["pod"].splitlines() == [
+        "process 0 (target group lead): target TP-4 shards [0, 1]",
+        "process 1 (target group): target TP-4 shards [2, 3]",
+        "process 2 (idle group): no devices in either mesh",
+        "process 3 (draft group): draft TP-2 shards [0, 1]"]
+    _check(got, oracle)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by the launcher) counts as gone
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("victim,group", [(1, "target"), (2, "draft")])
+def test_a_dead_process_ends_the_job_with_its_name(pair, tmp_path, victim, group):
+    """Kill one process mid-generation: every other one exits by itself within 60 s (the
+    launcher kills nobody) with a line naming the dead process."""
+    proc = _launch(3, 1, *pair, str(tmp_path / "out.json"), "--mesh", "2,1", "--long")
+    pids, lines = {}, []
+    deadline = time.monotonic() + 600
+    for line in proc.stdout:  # until the lead has finished a batch: decoding is under way
+        lines.append(line)
+        if m := re.match(r"\[(\d)\] pid (\d+) is process (\d)", line):
+            pids[int(m.group(3))] = int(m.group(2))
+        if "round of requests done" in line or time.monotonic() > deadline:
+            break
+    assert len(pids) == 3, "".join(lines[-40:])
+    os.kill(pids[victim], 9)
+    killed = time.monotonic()
+    rest, _ = proc.communicate(timeout=120)
+    took = time.monotonic() - killed
+    log = "".join(lines) + rest
+    assert took < 60, log[-3000:]
+    assert "did not stop within" not in log  # each survivor ended by itself
+    survivors = [p for p in range(3) if p != victim]
+    for p in survivors:
+        said = [ln for ln in log.splitlines() if ln.startswith(f"[{p}] ssd_jax: ")]
+        assert said and f"process {victim} ({group} group" in said[-1], log[-3000:]
+    assert not [p for p, pid in pids.items() if _alive(pid)]
+    assert proc.returncode != 0
