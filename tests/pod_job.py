@@ -30,6 +30,9 @@ def main() -> int:
     ap.add_argument("--long", action="store_true",
                     help="keep generating (for the kill tests): SSD runs until killed")
     args = ap.parse_args()
+    import faulthandler
+    import signal
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID`: every thread's stack, to debug a hang
     distributed.initialize()
     import os
     import jax

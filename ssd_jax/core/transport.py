@@ -144,7 +144,12 @@ class GroupExchange:
             rows = [jax.device_put(x.reshape(1, n), d) for d in self.local]
         g = jax.make_array_from_single_device_arrays((len(self.mesh.devices), n),
                                                      self.sharding, rows)
+        # Synchronous: with several CPU devices per process, a 4-process job hung after a few
+        # rounds when this collective was in flight beside the target's TP collectives (found
+        # by tests/test_pod.py); waiting here keeps one cross-process program in flight.
+        g.block_until_ready()
         out = self._bcast(g, src=self.first[sender])
+        out.block_until_ready()
         mine = {s.device.id: s.data for s in out.addressable_shards}
         return jax.make_array_from_single_device_arrays(
             (n,), self.home, [mine[d.id].reshape(n) for d in self.home_devices])
