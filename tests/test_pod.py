@@ -91,7 +91,6 @@ def test_three_processes_target_tp2_across_two(pair, oracle, tmp_path):
     _check(got, oracle)
 
 
-@pytest.mark.slow
 def test_four_processes_two_devices_target_tp4_draft_tp2(pair, oracle, tmp_path):
     got = _run_job(pair, tmp_path, 4, 2, "4,2")
     assert got["pod"].splitlines() == [

@@ -14,10 +14,12 @@ others follow (`Engine.follow`): every process of a group then runs the same dec
 its group's global mesh, and the groups exchange the round's messages through
 `core.transport.GroupExchange`. AR and SD run on the target group alone.
 
-Failure is loud: each process beats a counter in the store and watches the others'. A process
-whose beat stops for `SSD_JAX_PEER_TIMEOUT_S` seconds (default 20), or a lost coordinator, makes
-every other process print one line naming it and exit with status 75 (no hang in a collective,
-no orphan). JAX's own heartbeat (set shorter by `distributed.initialize`) is the second line.
+Failure is loud: each process beats a counter in the store and watches the others'. The first
+to see a beat stopped for `SSD_JAX_PEER_TIMEOUT_S` seconds (default 20) writes its verdict to
+the store; every process prints that one line, naming the dead process, and exits with status 75
+(also from inside a collective: no hang, no orphan). Process 0 holds JAX's coordination service:
+if it dies, the others end through JAX's own error ("the JAX distributed service detected fatal
+errors"), within seconds. JAX's heartbeat (set by `distributed.initialize`) is the last resort.
 """
 from __future__ import annotations
 
@@ -119,6 +121,20 @@ class Watchdog(threading.Thread):
         self.client = _client()
         self.stopped = threading.Event()
 
+    def verdict(self, dead: int, why: str) -> None:
+        """Name the dead process for every other process (they read it on their next beat),
+        then end this one. Process 0 holds JAX's coordination service, whose end kills the
+        others at once: it lingers a few beats so that they read the verdict first."""
+        me = self.pod.name(self.pod.process)
+        line = f"{self.pod.name(dead)} {why}"
+        try:
+            self.client.key_value_set(f"{KEY}/dead", line)
+        except Exception:  # noqa: BLE001 - another process said it first
+            pass
+        if self.pod.process == 0:
+            time.sleep(3 * self.period)
+        _die(f"{line}; {me} exits too")
+
     def run(self) -> None:
         me, beat = self.pod.process, 0
         seen: dict[int, tuple[str, float]] = {}
@@ -127,6 +143,11 @@ class Watchdog(threading.Thread):
             beat += 1
             try:
                 self.client.key_value_set(f"{KEY}/beat/{me}", str(beat), allow_overwrite=True)
+                said = _try_get(self.client, f"{KEY}/dead")
+                if said is not None:  # another process found the dead one
+                    if self.pod.process == 0:
+                        time.sleep(3 * self.period)
+                    _die(f"{said}; {self.pod.name(me)} exits too")
                 now = time.monotonic()
                 for p in range(self.pod.n_processes):
                     if p == me or _try_get(self.client, f"{KEY}/bye/{p}") is not None:
@@ -135,9 +156,8 @@ class Watchdog(threading.Thread):
                     if p not in seen or seen[p][0] != value:
                         seen[p] = (value, now)
                     elif now - seen[p][1] > self.timeout and now - start > self.timeout:
-                        _die(f"{self.pod.name(p)} stopped responding (no heartbeat for "
-                             f"{self.timeout:.0f} s): it has died or hangs; "
-                             f"{self.pod.name(me)} exits too")
+                        self.verdict(p, f"stopped responding (no heartbeat for "
+                                        f"{self.timeout:.0f} s): it has died or hangs")
             except Exception as e:  # noqa: BLE001 - the store itself is gone
                 if self.stopped.is_set():
                     return
