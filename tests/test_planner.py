@@ -163,3 +163,13 @@ def test_pod_plan_refuses_groups_sharing_a_host(capsys):
     err = capsys.readouterr().err
     assert rc == 2
     assert "both the target and the draft" in err and "multiple of 8" in err
+
+
+def test_packaged_models_plan_by_name():
+    """The planner reads a packaged model's shape from its GGUF metadata (SmolLM2 ships with
+    the package; the Qwen pair resolves the same way once downloaded)."""
+    from ssd_jax.plan import resolve
+    name, config = resolve("smollm2")
+    assert name == "smollm2"
+    assert (config.num_layers, config.hidden_size, config.num_kv_heads) == (30, 576, 3)
+    assert config.dtype == "bfloat16"

@@ -65,6 +65,10 @@ def resolve(spec: str, *, dtype: str = "bfloat16"):
     if key in HF_CONFIGS:
         name, _, cfg = HF_CONFIGS[key]
         return name, config_from_hf(cfg, dtype=dtype)
+    from ssd_jax.loading import packaged
+    if packaged.find(spec) is not None:  # a model shipped as PyPI data: its GGUF's metadata
+        from ssd_jax.loading import describe
+        return spec, describe(spec, dtype=dtype)[0]
     path = Path(spec)
     if path.is_dir():
         path = path / "config.json"
