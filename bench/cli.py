@@ -154,6 +154,7 @@ def run(args, argv) -> dict:
         except ValueError as e:
             raise BenchError(str(e))
     split = device_split(args)
+    machine_at_start = machine()  # not at the end: a long run's conditions are its start's
     if load_draft and args.draft.lower() == "smollm2-draft":
         from ssd_jax.loading.registry import SHIPPED
         if not SHIPPED["smollm2-draft"].exists():
@@ -253,7 +254,7 @@ def run(args, argv) -> dict:
         notes.append(f"transformers peers ran with torch {threads} thread(s), batch 1.")
     results = dict(
         schema="ssd-bench/1", command="ssd-bench " + shlex.join(_portable(argv)),
-        machine=machine(),
+        machine=machine_at_start,
         config=dict(target=args.target, draft=args.draft if needs_draft else None,
                     suites=suites, modes=modes, num_prompts=args.num_prompts,
                     output_len=args.output_len, seed=args.seed, driver=driver,
