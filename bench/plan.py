@@ -77,7 +77,7 @@ def hosts(s: Setup, per_host: int, coordinator: str) -> list[str]:
     env = (f"SSD_JAX_COORDINATOR={coordinator} SSD_JAX_NUM_PROCESSES={n_hosts} "
            "SSD_JAX_PROCESS_ID={i}")
     cmd = (f"python -m ssd_jax --model {s.target_name} --draft {s.draft_name} --mode ssd "
-           f"--k {s.k} --mesh {s.target_devices},{s.draft_devices} --prompt ...")
+           f"--k {s.k} --mesh {s.target_devices},{s.draft_devices} \"a prompt\"")
     lines = ["", f"hosts ({n_hosts} x {per_host} devices; every host runs the same command, "
              "its process id set; Slurm, Open MPI and Cloud TPU set these themselves)"]
     for h, x in held.items():

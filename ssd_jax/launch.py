@@ -2,7 +2,7 @@
 hosts (like `torchrun` for development and tests):
 
     python -m ssd_jax.launch --processes 3 --devices-per-process 1 -- \\
-        python -m ssd_jax --model M --draft D --mode ssd --mesh 2,1 --prompt "..."
+        python -m ssd_jax --model M --draft D --mode ssd --mesh 2,1 "a prompt"
 
 Each process gets SSD_JAX_COORDINATOR / SSD_JAX_NUM_PROCESSES / SSD_JAX_PROCESS_ID (what
 `runtime.distributed.initialize` reads on a real pod) and, on CPU, its own fake devices. Their
