@@ -58,7 +58,8 @@ def oracle(pair):
 
 def _launch(processes: int, devices: int, *job_args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]), SSD_JAX_PEER_TIMEOUT_S="15")
+        [ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env.pop("SSD_JAX_PEER_TIMEOUT_S", None)  # the default, 20 s: what a user gets
     env.pop("XLA_FLAGS", None)
     cmd = [sys.executable, "-m", "ssd_jax.launch", "--processes", str(processes),
            "--devices-per-process", str(devices), "--", sys.executable, JOB, *job_args]
