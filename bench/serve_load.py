@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import numpy as np
 
 from bench.cli import PAIRS
 from bench.suites import SUITES, load_suite
+from ssd_jax.runtime.procs import free_port
 
 
 def parser() -> argparse.ArgumentParser:
@@ -43,15 +43,9 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(args, mode: str) -> tuple[subprocess.Popen, str]:
     target, draft = PAIRS[args.pair]
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "ssd_jax.serve", "--model", target, "--draft", draft,
            "--mode", mode, "--port", str(port), "--slots", str(args.slots),
            "--max-queue", str(args.max_queue)] + (["--k", str(args.k)] if args.k else [])

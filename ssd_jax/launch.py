@@ -13,27 +13,14 @@ their own, runtime/pod.py), then kills what is left; none outlive the launcher.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:  # runs in each child before exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+from ssd_jax.runtime.procs import die_with_parent, free_port
 
 
 def _pump(i: int, stream, out) -> None:
@@ -69,7 +56,7 @@ def main(argv=None) -> int:
         print(f"ssd_jax.launch: error: --processes {args.processes}: give 1 or more",
               file=sys.stderr)
         return 2
-    port = args.port or _free_port()
+    port = args.port or free_port()
     procs, pumps = [], []
     for i in range(args.processes):
         env = dict(os.environ, SSD_JAX_COORDINATOR=f"127.0.0.1:{port}",
@@ -82,7 +69,7 @@ def main(argv=None) -> int:
                 f"--xla_force_host_platform_device_count={args.devices_per_process}"])
             env.setdefault("JAX_PLATFORMS", "cpu")
         p = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                             stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         procs.append(p)
         t = threading.Thread(target=_pump, args=(i, p.stdout, sys.stdout), daemon=True)
         t.start()

@@ -24,14 +24,13 @@ import pytest
 from ssd_jax import LLM, EngineConfig, SamplingParams
 from ssd_jax.config import SpecConfig
 from tests.conftest import save_noisy_draft
+from tests.pod_job import PROMPTS, SAMPLED_SEEDS, SECOND
 
 JOB = str(Path(__file__).with_name("pod_job.py"))
 ROOT = str(Path(__file__).resolve().parents[1])
-PROMPTS = [[5, 9, 11], list(range(20, 39)), [7] * 8]
-SECOND = [[6, 2, 4], list(range(40, 58)), [9] * 5]
 GREEDY = SamplingParams(max_new_tokens=20, ignore_eos=True)
 SAMPLED = [SamplingParams(max_new_tokens=16, temperature=1.0, seed=s, ignore_eos=True)
-           for s in (11, 12, 13)]
+           for s in SAMPLED_SEEDS]
 
 
 @pytest.fixture(scope="module")

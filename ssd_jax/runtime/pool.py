@@ -12,7 +12,6 @@ import atexit
 import logging
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,14 +19,9 @@ import time
 from multiprocessing.connection import Listener
 
 from ssd_jax.core.metrics import SSDStats, metrics_from_dict
+from ssd_jax.runtime.procs import free_port
 
 log = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class WorkerError(RuntimeError):
@@ -57,7 +51,7 @@ class WorkerPool:
         key = secrets.token_hex(16)
         listener = Listener(("127.0.0.1", 0), authkey=key.encode())
         address = "%s:%d" % listener.address
-        coordinator = f"127.0.0.1:{_free_port()}"
+        coordinator = f"127.0.0.1:{free_port()}"
         env = dict(os.environ, SSD_JAX_WORKER_KEY=key, JAX_PLATFORMS="cpu")
         env.pop("XLA_FLAGS", None)  # one CPU device per worker process, unless asked
         if self.devices_per_worker > 1:

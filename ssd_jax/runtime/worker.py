@@ -12,19 +12,11 @@ requests from the parent over an authenticated local connection.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
-import signal
 import sys
 import traceback
 
-
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: the parent's atexit/terminate still cleans up
+from ssd_jax.runtime.procs import die_with_parent
 
 
 def main(argv=None) -> int:
@@ -37,7 +29,7 @@ def main(argv=None) -> int:
     ap.add_argument("--core", type=int, default=None)
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args(argv)
-    _die_with_parent()
+    die_with_parent()
     if args.core is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {args.core})
     from multiprocessing.connection import Client
