@@ -105,6 +105,11 @@ def engine_config(args, split, max_batch: int):
     elif args.driver == "processes":
         raise BenchError("--driver processes needs EngineConfig(driver=...), which this ssd_jax "
                          "version lacks: use --driver single")
+    if getattr(args, "draft_vocab", None) is not None:
+        if "draft_vocab" not in fields:
+            raise BenchError("--draft-vocab needs EngineConfig(draft_vocab=...), which this "
+                             "ssd_jax version lacks: drop --draft-vocab")
+        kw["draft_vocab"] = args.draft_vocab
     if split is not None:
         if "mesh" not in fields:
             raise BenchError("--target-devices/--draft-devices need EngineConfig(mesh=...), which "

@@ -63,6 +63,8 @@ def main(argv=None) -> int:
                     help="weights and compute (bfloat16 on GPU/TPU; float32 is faster on CPU)")
     ap.add_argument("--mesh", default=None, metavar="NT,ND",
                     help="target devices, draft devices (e.g. 7,1 on an 8-GPU node)")
+    ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                    help="cut the draft's LM head to N columns: its most frequent tokens (a cheaper draft step for a large vocabulary, e.g. 32768 of Qwen2.5's 151936; lossless)")
     ap.add_argument("--max-seq-len", type=int, default=1024, help="context (KV cache) length")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -93,7 +95,8 @@ def main(argv=None) -> int:
             driver = "processes"
         llm = LLM(args.model, draft=args.draft if need_draft else None, spec=spec,
                   dtype=args.dtype, engine=EngineConfig(driver=driver, mesh=mesh,
-                                                        max_seq_len=args.max_seq_len))
+                                                        max_seq_len=args.max_seq_len,
+                                                        draft_vocab=args.draft_vocab))
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {_cli_words(e)}", file=sys.stderr)
         return 2

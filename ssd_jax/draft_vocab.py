@@ -58,6 +58,11 @@ class VocabMap:
         return len(self.to_draft)
 
     def draft_ids(self, target_ids: Int[Array, "*S"]) -> Int[Array, "*S"]:
+        """Target ids -> the ids the draft model's input embedding takes."""
+        return jnp.asarray(self.to_draft)[target_ids]
+
+    def out_ids(self, target_ids: Int[Array, "*S"]) -> Int[Array, "*S"]:
+        """Target ids -> columns of the draft's logits (`oov` for tokens it cannot name)."""
         return jnp.asarray(self.to_draft)[target_ids]
 
     def target_ids(self, draft_ids: Int[Array, "*S"]) -> Int[Array, "*S"]:
@@ -87,11 +92,26 @@ class VocabMap:
     def __hash__(self) -> int:
         # Hashable so jitted programs can take the map as a static argument (its index arrays
         # become compile-time constants); consistent with __eq__.
-        return hash((self.to_target.tobytes(), len(self.to_draft)))
+        return hash((type(self).__name__, self.to_target.tobytes(), len(self.to_draft)))
 
     def __eq__(self, other) -> bool:
-        return (isinstance(other, VocabMap) and np.array_equal(self.to_draft, other.to_draft)
+        return (type(other) is type(self) and np.array_equal(self.to_draft, other.to_draft)
                 and np.array_equal(self.to_target, other.to_target))
+
+
+@dataclass(frozen=True, eq=False)
+class ShortList(VocabMap):
+    """A draft that reads every token but proposes only a short list of frequent ones.
+
+    The input embedding keeps the whole vocabulary (so `draft_ids` is the identity: a rare
+    prompt token still enters as itself); only the LM head is cut to the listed tokens plus
+    the never-proposed OOV column (`shorten_head`). For a large vocabulary the head is a big
+    share of a small draft's forward (Qwen2.5-0.5B: 136M of 494M weights), and every draft
+    pass of SD and SSD pays it. A token outside the list is simply never proposed: its q is 0,
+    which verification handles like any other token the draft did not pick (lossless)."""
+
+    def draft_ids(self, target_ids: Int[Array, "*S"]) -> Int[Array, "*S"]:
+        return target_ids
 
 
 @dataclass(frozen=True)
@@ -110,6 +130,9 @@ class SameVocab:
         return self.size
 
     def draft_ids(self, target_ids: Int[Array, "*S"]) -> Int[Array, "*S"]:
+        return target_ids
+
+    def out_ids(self, target_ids: Int[Array, "*S"]) -> Int[Array, "*S"]:
         return target_ids
 
     def target_ids(self, draft_ids: Int[Array, "*S"]) -> Int[Array, "*S"]:
@@ -171,3 +194,29 @@ class DraftModel(nnx.Module):
             raise ValueError(f"{name_or_path!r} has no vocab_map in its extra metadata: it is not "
                              "a draft checkpoint saved by `python -m ssd_jax.distill train`")
         return cls(model, VocabMap.from_dict(extra["vocab_map"])), tokenizer
+
+
+def shorten_head(model: Transformer, vocab: ShortList) -> Transformer:
+    """The same model with its LM head cut to `vocab`'s columns (the OOV column zero: it is
+    masked before anything is proposed). The input embedding is kept whole; a tied model gets
+    an untied head of the listed rows. Returns a new model; `model` is left as it was."""
+    emb = model.embed_tokens.embedding.get_value()
+    kernel = (emb.T if model.lm_head is None else model.lm_head.kernel.get_value())
+    ids = np.asarray(vocab.to_target[:-1])
+    if kernel.shape[1] <= ids.max():
+        raise ValueError(f"the short list names token {ids.max()} but the draft's head has "
+                         f"{kernel.shape[1]} columns")
+    cols = jnp.concatenate([jnp.take(kernel, jnp.asarray(ids), axis=1),
+                            jnp.zeros((kernel.shape[0], 1), kernel.dtype)], axis=1)
+    graphdef, state = nnx.split(model)
+    short = nnx.merge(graphdef, state)  # a copy sharing the (immutable) arrays
+    head = nnx.Linear(kernel.shape[0], cols.shape[1], use_bias=False, dtype=kernel.dtype,
+                      param_dtype=kernel.dtype, rngs=nnx.Rngs(0))
+    head.kernel.set_value(cols)
+    short.lm_head = nnx.data(head)  # a tied model had None here (a static field)
+    return short
+
+
+def draft_for(model: Transformer, vocab) -> Transformer:
+    """The draft model a pair's vocab map calls for: its head cut for a ShortList."""
+    return shorten_head(model, vocab) if isinstance(vocab, ShortList) else model

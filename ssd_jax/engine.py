@@ -21,6 +21,7 @@ from ssd_jax.core.metrics import RunMetrics
 from ssd_jax.core.rounds import DraftSide, TargetSide, ar_loop, sd_loop, ssd_loop
 from ssd_jax.core.runner import ModelRunner
 from ssd_jax.core.transport import LocalLink
+from ssd_jax.draft_vocab import draft_for
 from ssd_jax.config import EngineConfig, SamplingParams, SpecConfig
 from ssd_jax.loading import describe, load, pair_vocab, vocab_from_extra
 from ssd_jax.loading.tokenizer import Tokenizer
@@ -63,6 +64,7 @@ class Engine:
         # the workers hold them, so the caller never keeps a second copy (a 1.5B target is
         # 7 GB in fp32). Config and tokenizer are read now, from metadata alone.
         self._model = self._draft_model = None
+        self._draft_head_cut = False
         self._runners: dict[str, ModelRunner] = {}
         if isinstance(model, Transformer):
             self._model, self.tokenizer, self.model_config = model, tokenizer, model.config
@@ -87,7 +89,7 @@ class Engine:
                 described = (draft.config, None, {})
             else:
                 described = describe(draft, dtype=dtype, cache_dir=cache_dir)
-            self.vocab = pair_vocab(target, described)
+            self.vocab = pair_vocab(target, described, config.draft_vocab, cache_dir)
         self.last_choice: autotune.Choice | None = None  # automatic settings of the latest run
         self._logged_choice: autotune.Choice | None = None
 
@@ -103,6 +105,8 @@ class Engine:
         if self._draft_model is None:
             self._draft_model = load(self.paths[1], dtype=self.dtype, cache_dir=self.cache_dir,
                                      progress=self.progress)[0]
+        if not self._draft_head_cut:
+            self._draft_model, self._draft_head_cut = draft_for(self._draft_model, self.vocab), True
         return self._draft_model
 
     def _runner(self, role: str, make) -> ModelRunner:
@@ -275,7 +279,8 @@ class Engine:
         from ssd_jax.runtime.pool import WorkerPool
         if self.pool is None:
             self.pool = WorkerPool(self.paths[0], self.paths[1], dtype=self.dtype,
-                                   devices_per_worker=self.config.worker_devices)
+                                   devices_per_worker=self.config.worker_devices,
+                                   draft_vocab=self.config.draft_vocab)
         return self.pool
 
     # ---------------------------------------------------------------- automatic settings
@@ -285,6 +290,8 @@ class Engine:
         names = [p or f"model-{hashlib.sha1(repr(c).encode()).hexdigest()[:10]}" for p, c in
                  zip(self.paths, (self.model_config,
                                   self._draft_model and self._draft_model.config))]
+        if self.config.draft_vocab is not None:  # a cut head is a cheaper draft step
+            names[1] += f" (head {self.config.draft_vocab})"
         split = driver if self.config.mesh is None else f"{driver}:{self.config.mesh}"
         key = autotune.cache_key(*names, rows, self.dtype, split)
         store = autotune.TuneStore(autotune.store_path(self.cache_dir))

@@ -134,7 +134,7 @@ def build_cache(cfg: DraftConfig, params, ds: DraftState, req: Requests
 
     # Fork: exclude s_{j+1} at j < K, rank the rest by the draft's logits.
     V = g.shape[-1]
-    excluded = jnp.concatenate([vocab.draft_ids(spec), jnp.full((B, 1), -1, spec.dtype)], axis=1)
+    excluded = jnp.concatenate([vocab.out_ids(spec), jnp.full((B, 1), -1, spec.dtype)], axis=1)
     g_fork = jnp.where(jnp.arange(V)[None, None, :] == excluded[:, :, None], NEG_INF, g)
     cand = vocab.target_ids(jax.lax.top_k(g_fork, fmax)[1].astype(jnp.int32))  # [B, K+1, F]
     branch_j, rank = branch_layout(fan, M)

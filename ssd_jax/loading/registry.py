@@ -154,12 +154,16 @@ def vocab_from_extra(extra: dict):
     return VocabMap.from_dict(extra["vocab_map"])
 
 
-def pair_vocab(target: tuple, draft: tuple):
+def pair_vocab(target: tuple, draft: tuple, draft_vocab: int | None = None,
+               cache_dir: Path | None = None):
     """The draft->target vocab map of a pair, from their `describe` triples: the one stored with
     a truncated-vocabulary draft, an identity that drops vocabulary padding, or SameVocab (same ids).
-    Raises when the two tokenizers differ."""
+    `draft_vocab`: cut the draft's LM head to that many columns (a `ShortList` of the most
+    frequent tokens plus the OOV column). Raises when the two tokenizers differ."""
     (t_config, t_tok, _), (d_config, d_tok, extra) = target, draft
     vocab = vocab_from_extra(extra)
+    if draft_vocab is not None:
+        return _short_list(t_config, t_tok, d_config, d_tok, vocab, draft_vocab, cache_dir)
     if vocab is None:
         return check_same_vocabulary(t_config, t_tok, d_config, d_tok)
     if vocab.target_size != t_config.vocab_size:
@@ -167,6 +171,25 @@ def pair_vocab(target: tuple, draft: tuple):
             f"draft vocabulary map targets {vocab.target_size} ids, the target has "
             f"{t_config.vocab_size}: this draft was made for another target")
     return vocab
+
+
+def _short_list(t_config, t_tok, d_config, d_tok, stored, size: int, cache_dir):
+    from ssd_jax.draft_vocab import ShortList
+    from ssd_jax.loading.token_freq import short_list
+    if stored is not None:
+        raise ValueError("draft_vocab is for a draft that shares the target's vocabulary; this "
+                         "draft already has a truncated one (its checkpoint's vocab map): drop "
+                         "draft_vocab")
+    check_same_vocabulary(t_config, t_tok, d_config, d_tok)  # raises when they differ
+    if t_tok is None:
+        raise ValueError("draft_vocab needs the target's tokenizer to rank tokens by frequency: "
+                         "load the target by name or path, not as a bare model")
+    n_real = min(max(_real_tokens(t_tok).values()) + 1, d_config.vocab_size)
+    if not 3 <= size <= n_real:
+        raise ValueError(f"draft_vocab={size} is out of range: give 3..{n_real} LM-head columns "
+                         "(e.g. 32768; one of them is the never-proposed OOV column)")
+    ids = short_list(t_tok, n_real, size - 1, cache_dir)
+    return ShortList.from_target_ids(ids, t_config.vocab_size)
 
 
 def _real_tokens(tok: Tokenizer) -> dict[str, int]:

@@ -31,8 +31,9 @@ class WorkerError(RuntimeError):
 class WorkerPool:
     def __init__(self, target: str, draft: str, *, dtype: str = "float32",
                  cores: tuple[int, int] | None = None, start_timeout: float = 600.0,
-                 devices_per_worker: int = 1):
+                 devices_per_worker: int = 1, draft_vocab: int | None = None):
         self.target, self.draft, self.dtype = str(target), str(draft), dtype
+        self.draft_vocab = draft_vocab
         self.devices_per_worker = devices_per_worker
         # The cores this process may use (a container's cpuset need not start at core 0).
         usable = (sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
@@ -67,6 +68,8 @@ class WorkerPool:
                        "--draft", self.draft, "--dtype", self.dtype]
                 if core is not None:
                     cmd += ["--core", str(core)]
+                if self.draft_vocab is not None:
+                    cmd += ["--draft-vocab", str(self.draft_vocab)]
                 # The workers' own output (gloo's connection lines, XLA warnings) goes to a log
                 # file, not the user's terminal; its tail is quoted if a worker fails.
                 self.logs[role] = tempfile.NamedTemporaryFile(

@@ -28,6 +28,7 @@ def main(argv=None) -> int:
     ap.add_argument("--draft", required=True)
     ap.add_argument("--core", type=int, default=None)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--draft-vocab", type=int, default=None)
     args = ap.parse_args(argv)
     die_with_parent()
     if args.core is not None and hasattr(os, "sched_setaffinity"):
@@ -67,6 +68,7 @@ class _Server:
         from ssd_jax.loading import describe, load
         from ssd_jax.core.transport import Exchange
         from ssd_jax.core.runner import ModelRunner
+        from ssd_jax.draft_vocab import draft_for
         self.role, self.conn = args.role, conn
         # This side's devices: every local device, tensor-parallel (a GPU host per side); with
         # one device the runners keep the plain single-device path.
@@ -74,11 +76,12 @@ class _Server:
         self.mesh = Mesh(np.array(local), (TP,)) if len(local) > 1 else None
         self.replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
         target = describe(args.target, dtype=args.dtype)
-        self.vocab = pair_vocab(target, describe(args.draft, dtype=args.dtype))
+        self.vocab = pair_vocab(target, describe(args.draft, dtype=args.dtype), args.draft_vocab)
         self.vocab_size = target[0].vocab_size
         # The target role needs the draft only for SD: load it then, not for AR/SSD, so the two
         # processes together hold each model once (a 1.5B + 0.5B pair is ~9.6 GB in fp32).
-        self._load_draft = lambda: ModelRunner(load(args.draft, dtype=args.dtype)[0], self.mesh)
+        self._load_draft = lambda: ModelRunner(
+            draft_for(load(args.draft, dtype=args.dtype)[0], self.vocab), self.mesh)
         self._draft = self._load_draft() if self.role == "draft" else None
         self.target = None
         if self.role == "target":

@@ -22,6 +22,8 @@ def parser() -> argparse.ArgumentParser:
     a("--k", type=int, default=None, help="lookahead (default: chosen by the speed model)")
     a("--budget", type=int, default=0, help="SSD branches per row (0: chosen or 2(K+1))")
     a("--dtype", default="float32", choices=["float32", "bfloat16"])
+    a("--draft-vocab", type=int, default=None, metavar="N",
+      help="cut the draft's LM head to its N most frequent tokens (cheaper draft steps)")
     return ap
 
 
@@ -43,7 +45,8 @@ def main(argv=None) -> int:
     try:
         spec = SpecConfig(k=args.k, budget=args.budget)
         llm = LLM(args.model, draft=draft, dtype=args.dtype, spec=spec, engine=EngineConfig(
-            max_batch=args.slots, max_seq_len=args.max_seq_len, driver="single"))
+            max_batch=args.slots, max_seq_len=args.max_seq_len, driver="single",
+            draft_vocab=args.draft_vocab))
         server = Server(llm, mode=args.mode, model_name=args.served_model_name or args.model,
                         slots=args.slots, max_queue=args.max_queue)
     except (ValueError, FileNotFoundError) as e:
