@@ -167,17 +167,16 @@ def predict(target: dict, draft: dict, *, k: int, accept: float, hit_rates) -> l
     """AR / SD on one device, SSD on two (draft on its own), batch 1, greedy. Costs in ms.
 
     SD round: verify (score K+1) + K draft steps, one after the other on the one device.
-    SSD: verify on the target device while the draft builds the tree there: glue (score K+1)
-    + K tree steps of M = 2(K+1) branches (score M); a miss adds the neural backup (K draft
-    steps). At T=0 a hit's speculation and the backup's are both the draft's greedy
+    SSD: verify on the target device while the draft builds the tree there: glue (one token:
+    r..s_{K-1} were fed when the speculation was decoded, ssd_jax/core/glue.py) + K tree steps
+    of M = 2(K+1) branches (score M); a miss adds the neural backup (K draft steps). At T=0 a hit's speculation and the backup's are both the draft's greedy
     continuation of the verified prefix, so E_hit = E_miss = SD's tokens per round."""
     hist = geometric_hist(accept, k)
     sec = lambda ms: ms / 1e3
     t_ar = sec(target["decode_ms"])
     t_verify = sec(interpolate(target["score_ms"], k + 1))
     t_draft = sec(draft["decode_ms"]) * k
-    t_build = sec(interpolate(draft["score_ms"], k + 1)
-                  + k * interpolate(draft["score_ms"], 2 * (k + 1)))
+    t_build = sec(draft["decode_ms"] + k * interpolate(draft["score_ms"], 2 * (k + 1)))
     ar = 1.0 / t_ar
     out = [dict(mode="AR", devices=1, hit_rate=None, tok_s=ar, vs_ar=1.0, step_ms=1e3 * t_ar)]
     sd = predict_sd(hist=hist, rows=1, t_verify=t_verify, t_draft=t_draft, ar_tok_s=ar)

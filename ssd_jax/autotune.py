@@ -14,7 +14,9 @@ theorem fan-out of M over the K+1 outcomes (fanout.py):
   hit after k < K rejections-at-k: 1 - (F_k + 1)^-r (the recovery token is never the draft's
   top-1, so F_k forks cover ranks 2..F_k+1); after all K accepted: 1 - (1 - a) F_K^-r
   p = sum_k P(k) hit(k),  E = sum_k P(k) (k + 1) tokens per round
-  t_v = target(K+1),  t_build = draft(K+1) + K draft(M),  t_backup = K draft(1)
+  t_v = target(K+1),  t_build = glue + K draft(M),  t_backup = K draft(1)
+  glue = draft(1) when the speculation came out of the draft (a hit, or the neural backup:
+  core/glue.py), draft(K+1) after fast-backup guesses (with probability 1 - p_B)
   SSD tok/s = B E / (t_v [p_B max(1, t_build / t_v) + (1 - p_B)(1 + t_backup / t_v)])  (speed.py)
   SD tok/s  = B E / (K draft(1) + t_v),   AR tok/s = B / target(1)
 """
@@ -85,7 +87,9 @@ def predict(costs: StepCosts, k: int, m: int, *, a: float, r: float, batch: int,
     p = hit_rate(a, r, fan)
     e = float((geometric_probs(a, k) * (np.arange(k + 1) + 1)).sum())
     t_v = costs.target[k + 1]
-    t_build = costs.draft_at(k + 1) + k * costs.draft_at(m)
+    known = 1.0 if backup == "neural" else p ** batch  # the glue's prefix is known (glue.py)
+    glue = known * costs.draft_at(1) + (1 - known) * costs.draft_at(k + 1)
+    t_build = glue + k * costs.draft_at(m)
     t_backup = k * costs.draft_at(1) if backup == "neural" else 0.0
     e_miss = e if backup == "neural" else FAST_E_MISS
     speedup = ssd_speedup(p, p ** batch, e, e_miss, t_build / t_v, t_backup / t_v)

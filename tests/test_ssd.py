@@ -209,6 +209,45 @@ def test_tree_branches_equal_plain_decode(pair):
         assert len(keys) == M
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_known_glue_equals_a_full_glue_pass(pair, temperature):
+    """Row 0 hits a cached branch, row 1 misses and takes the neural backup: both speculations
+    came out of the draft, so the next build feeds s_K alone (glue.py). Its glue K/V and fork
+    candidates must equal a full glue pass over [r, s_1..s_K] (ds.glue=None), and so must the
+    tree built on them."""
+    _, draft = pair
+    runner = ModelRunner(draft)
+    K, M, B = 3, 8, 2
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(0, 128, size=(B, 9))
+    spec = jnp.asarray(rng.integers(0, 128, size=(B, K)), jnp.int32)
+    fan = jnp.array([[2, 2, 2, 2]] * B, jnp.int32)
+    ds, req = _draft_state(runner, prompt, jnp.array([17, 42]), spec, fan, temperature)
+    cfg = DraftConfig(runner.graphdef, SameVocab(128), K, M, greedy_only=temperature == 0,
+                      backup=BACKUPS["neural"])
+    sc, glue_kv = build_cache(cfg, runner.params, ds, req)
+    ds = ds._replace(cache=commit(ds.cache, glue_kv, ds.rows.lengths))
+    m0 = 5  # a branch of row 0 at accept length 2
+    n = jnp.array([int(sc.branch_j[0, m0]), 1])
+    cached = {int(x) for x in sc.fork_tok[1][np.asarray(sc.branch_j[1]) == 1]}
+    t = jnp.array([int(sc.fork_tok[0, m0]), next(x for x in range(128) if x not in cached)])
+    after, nxt, _ = select(cfg, runner.params, ds, sc, Outcome(n, t), req)
+    assert np.asarray(nxt.hit).tolist() == [True, False]
+    assert np.asarray(after.glue.ok).all()
+    known, known_kv = build_cache(cfg, runner.params, after, req)
+    full, full_kv = build_cache(cfg, runner.params, after._replace(glue=None), req)
+    for a, b in zip(jax.tree.leaves(known_kv), jax.tree.leaves(full_kv)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(known.cand), np.asarray(full.cand))
+    np.testing.assert_array_equal(np.asarray(known.fork_tok), np.asarray(full.fork_tok))
+    np.testing.assert_array_equal(np.asarray(known.tokens), np.asarray(full.tokens))
+    # A fast-backup guess came from no decoding: its row has no known prefix.
+    fast = DraftConfig(runner.graphdef, SameVocab(128), K, M, greedy_only=temperature == 0,
+                       backup=BACKUPS["fast"])
+    after_fast, _, _ = select(fast, runner.params, ds, sc, Outcome(n, t), req)
+    assert np.asarray(after_fast.glue.ok).tolist() == [True, False]
+
+
 def test_backup_runs_only_when_a_live_row_misses(pair):
     """Row 0 hits; row 1 misses. While row 1 is live, select fills it from the neural backup;
     once row 1 is finished (or padding), its miss must not run the K-step backup at all (its
@@ -242,8 +281,8 @@ def test_backup_runs_only_when_a_live_row_misses(pair):
     np.testing.assert_array_equal(toks[0], np.asarray(sc.tokens[0, 0]))
     # The backup: K draft tokens after r = t at the advanced length, from the committed cache.
     assert after.rows.lengths.tolist() == [10, 10]
-    want, _, _ = draft_decode(nnx.merge(runner.graphdef, runner.params), cfg, t[:, None],
-                              after.rows.lengths, ds.cache, req)
+    want, _, _, _ = draft_decode(nnx.merge(runner.graphdef, runner.params), cfg, t[:, None],
+                                 after.rows.lengths, ds.cache, req)
     np.testing.assert_array_equal(toks[1], np.asarray(want[1]))
     assert toks[1].any()  # the skipped branch would give zeros: this test tells them apart
     _, toks, _ = run([False, True])

@@ -5,8 +5,9 @@ Strategies passed to the draft side in its static DraftConfig (hashable, no stat
   FastBackup:   n-gram / prompt lookup over the row's own tokens (almost free; guesses come
                 from no distribution, so verification treats them as point-mass proposals,
                 verify.py, which keeps SSD lossless).
-Both return (tokens [B, K], q [B, K, Vd] | None, point_mass [B]) for the rows that missed; the
-caller keeps the cached branch for the rows that hit.
+Both return (tokens [B, K], q [B, K, Vd] | None, point_mass [B], glue prefix | None) for the
+rows that missed; the caller keeps the cached branch for the rows that hit. The neural backup's
+decoding is also the next glue's prefix (glue.py); n-gram guesses have none.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
+from ssd_jax.core.glue import GluePrefix, fork_candidates, no_prefix
 from ssd_jax.core.speculation import Saguaro, draft_decode
 
 
@@ -30,18 +32,21 @@ class NeuralBackup:
         B, V = rows.last.shape[0], cfg.vocab.draft_size
 
         def run(_):
-            toks, q, _ = draft_decode(model, cfg, rows.last[:, None], rows.lengths, ds.cache,
-                                      req, Saguaro(ds.fan.primary, cfg.c, cfg.fmax))
-            return toks, q
+            toks, q, kv, logits = draft_decode(model, cfg, rows.last[:, None], rows.lengths,
+                                               ds.cache, req,
+                                               Saguaro(ds.fan.primary, cfg.c, cfg.fmax))
+            cand = fork_candidates(cfg.vocab, logits, toks, cfg.fmax)
+            return toks, q, GluePrefix(kv, cand, jnp.ones((B,), bool))
 
         def skip(_):
             return (jnp.zeros((B, cfg.k), jnp.int32),
-                    None if cfg.greedy_only else jnp.zeros((B, cfg.k, V), jnp.float32))
+                    None if cfg.greedy_only else jnp.zeros((B, cfg.k, V), jnp.float32),
+                    no_prefix(model.config, B, cfg.k, cfg.fmax))
 
         # The common all-hit round skips the backup. Finished and padding rows' speculations
         # are discarded, so their misses must not put K draft steps on every round's path.
-        toks, q = jax.lax.cond(jnp.all(hit | rows.done), skip, run, None)
-        return toks, q, jnp.zeros((B,), bool)
+        toks, q, prefix = jax.lax.cond(jnp.all(hit | rows.done), skip, run, None)
+        return toks, q, jnp.zeros((B,), bool), prefix
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,7 @@ class FastBackup:
     def propose(self, model, cfg, ds, req, hit: Bool[Array, " B"]):
         guess = ngram_propose(ds.history, ds.rows.lengths + 1, cfg.k)
         q = None if cfg.greedy_only else jnp.zeros(guess.shape + (cfg.vocab.draft_size,))
-        return guess, q, ~hit
+        return guess, q, ~hit, None
 
 
 BACKUPS = {"neural": NeuralBackup(), "fast": FastBackup()}

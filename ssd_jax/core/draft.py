@@ -4,7 +4,10 @@ over the matching speculation or a backup's (select).
 
 build:
   glue:  scores the same K+1 tokens -> g_0..g_K, g_j = the draft's next-token distribution after
-         r, s_1..s_j (its K/V is committed to the draft cache: the accepted part is needed);
+         r, s_1..s_j (its K/V is committed to the draft cache: the accepted part is needed).
+         When the speculation came out of the draft (a hit, or the neural backup) its own
+         decoding already gave g_0..g_{K-1} and the K/V of r..s_{K-1} (glue.py): the glue then
+         feeds s_K alone;
   fork:  at glue position j takes the top-F_j tokens x, excluding s_{j+1} for j < K (a rejected
          token is never the recovery token: at T=0 it differs from argmax p, at T>0 the
          residual max(0, p - q') is zero there). Branch (j, x) is the outcome "j accepted, the
@@ -30,12 +33,11 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from ssd_jax.core.backups import NeuralBackup, append_tokens
+from ssd_jax.core.glue import NEG_INF, GluePrefix, fork_candidates, no_prefix, pick
 from ssd_jax.core.rows import Requests, RowState, advance, start_rows
 from ssd_jax.core.speculation import Outcome, Saguaro, Speculation, propose
 from ssd_jax.models.attention import causal_mask
 from ssd_jax.models.transformer import KVCache, commit
-
-NEG_INF = -1e30
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class DraftState(NamedTuple):
     history: Int[Array, "B S"]  # each row's tokens so far, for the n-gram backup
     spec: Speculation  # with q over the draft vocabulary
     fan: FanLists
+    glue: GluePrefix | None = None  # what spec's own decoding knows of its glue (glue.py)
 
 
 class SpecCache(NamedTuple):
@@ -80,7 +83,9 @@ class SpecCache(NamedTuple):
     branch_j [B, M]: accept length the branch assumes (-1: empty slot, never hit);
     fork_tok [B, M]: the recovery/bonus token it assumes; tokens [B, M, K]: its speculation;
     q [B, M, K, Vd]: the distributions they were drawn from, over the draft's vocabulary (None
-    when all greedy); cand [B, K+1, F]: glue candidates by rank (hit-rate-vs-F statistics).
+    when all greedy); cand [B, K+1, F]: glue candidates by rank (hit-rate-vs-F statistics);
+    step_kv (per layer [B, K*M, Hkv, D], step-major) and step_cand [B, M, K, F]: each branch's
+    K/V and fork candidates along its own tokens, the next glue's prefix if it hits (glue.py).
     """
 
     branch_j: Int[Array, "B M"]
@@ -88,6 +93,8 @@ class SpecCache(NamedTuple):
     tokens: Int[Array, "B M K"]
     q: Float[Array, "B M K Vd"] | None
     cand: Int[Array, "B K1 F"]
+    step_kv: KVCache | None = None
+    step_cand: Int[Array, "B M K F"] | None = None
 
 
 def empty_cache(cfg: DraftConfig, batch: int) -> SpecCache:
@@ -127,22 +134,36 @@ def build_cache(cfg: DraftConfig, params, ds: DraftState, req: Requests
     B, K = spec.shape
     M, fmax = cfg.budget, cfg.fmax
     fan = jnp.where(ds.spec.point_mass[:, None], ds.fan.after_fast, ds.fan.primary)
-    tokens = jnp.concatenate([ds.rows.last[:, None], spec], axis=1)
-    glue_logits, glue_kv = model(vocab.draft_ids(tokens), L[:, None] + jnp.arange(K + 1),
-                                 ds.cache, L, causal_mask(B, K + 1))
-    g = vocab.proposable(glue_logits)  # [B, K+1, Vd]
 
-    # Fork: exclude s_{j+1} at j < K, rank the rest by the draft's logits.
-    V = g.shape[-1]
-    excluded = jnp.concatenate([vocab.out_ids(spec), jnp.full((B, 1), -1, spec.dtype)], axis=1)
-    g_fork = jnp.where(jnp.arange(V)[None, None, :] == excluded[:, :, None], NEG_INF, g)
-    cand = vocab.target_ids(jax.lax.top_k(g_fork, fmax)[1].astype(jnp.int32))  # [B, K+1, F]
+    def full_glue(_):
+        # Fork candidates: exclude s_{j+1} at j < K, rank the rest by the draft's logits.
+        tokens = jnp.concatenate([ds.rows.last[:, None], spec], axis=1)
+        logits, kv = model(vocab.draft_ids(tokens), L[:, None] + jnp.arange(K + 1), ds.cache, L,
+                           causal_mask(B, K + 1))
+        return (jnp.concatenate([fork_candidates(vocab, logits[:, :K], spec, fmax),
+                                 fork_candidates(vocab, logits[:, K:], None, fmax)], axis=1), kv)
+
+    def known_glue(_):
+        # r..s_{K-1} were fed when spec was decoded (glue.py): only s_K is new.
+        pre = ds.glue
+        logits, kv = model(vocab.draft_ids(spec[:, K - 1:]), (L + K)[:, None], ds.cache, L,
+                           jnp.ones((B, 1, K + 1), bool), extra=pre.kv)
+        kv = jax.tree.map(lambda a, b: jnp.concatenate([a.astype(b.dtype), b], axis=1),
+                          pre.kv, kv)
+        return (jnp.concatenate([pre.cand, fork_candidates(vocab, logits, None, fmax)], axis=1),
+                kv)
+
+    if ds.glue is None:
+        cand, glue_kv = full_glue(None)  # [B, K+1, F], K+1 positions
+    else:  # one program for the batch: the short glue only when every live row allows it
+        cand, glue_kv = jax.lax.cond(jnp.all(ds.glue.ok | ds.rows.done), known_glue, full_glue,
+                                     None)
     branch_j, rank = branch_layout(fan, M)
     fork_tok = jnp.take_along_axis(cand.reshape(B, -1), branch_j * fmax + rank, axis=1)
 
     # Tree decode: K steps for all M branches; glue and earlier branch K/V ride in `extra`.
     x, pos, extra = fork_tok, L[:, None] + branch_j + 1, glue_kv
-    toks, qs = [], []
+    toks, qs, step_cand = [], [], []
     saguaro = Saguaro(fan, cfg.c, fmax)
     for step in range(K):
         logits, kv = model(vocab.draft_ids(x), pos, ds.cache, L, tree_mask(branch_j, K, step),
@@ -150,10 +171,13 @@ def build_cache(cfg: DraftConfig, params, ds: DraftState, req: Requests
         x, q = propose(logits, req, pos + 1, vocab, cfg.greedy_only, (fan[:, step], saguaro))
         toks.append(x)
         qs.append(q)
+        step_cand.append(fork_candidates(vocab, logits, x, fmax))  # [B, M, F]
         extra = jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), extra, kv)
         pos = pos + 1
     q = None if cfg.greedy_only else jnp.stack(qs, axis=2)
-    return SpecCache(branch_j, fork_tok, jnp.stack(toks, axis=2), q, cand), glue_kv
+    step_kv = jax.tree.map(lambda a: a[:, K + 1:], extra)  # the branches' own K/V
+    return SpecCache(branch_j, fork_tok, jnp.stack(toks, axis=2), q, cand, step_kv,
+                     jnp.stack(step_cand, axis=2)), glue_kv
 
 
 def build(draft, cfg: DraftConfig, ds: DraftState, req: Requests
@@ -174,7 +198,15 @@ def _lookup(cfg: DraftConfig, tree: SpecCache, outcome: Outcome):
     cand_n = jnp.take_along_axis(tree.cand, jnp.clip(n, 0)[:, None, None], axis=1)[:, 0]
     found = cand_n == t[:, None]
     rank = jnp.where(jnp.any(found, 1), jnp.argmax(found, 1), cfg.fmax)
-    return jnp.any(match, axis=1), tokens, q, rank
+    hit = jnp.any(match, axis=1)
+    prefix = None
+    if tree.step_kv is not None:  # branch m's K/V sit at s*M + m of step s
+        M, K = tree.branch_j.shape[1], cfg.k
+        at = (jnp.arange(K)[None, :] * M + m[:, None])[:, :, None, None]  # [B, K, 1, 1]
+        kv = jax.tree.map(lambda a: jnp.take_along_axis(a, at, axis=1), tree.step_kv)
+        cand = jnp.take_along_axis(tree.step_cand, m[:, None, None, None], axis=1)[:, 0]
+        prefix = GluePrefix(kv, cand, hit)
+    return hit, tokens, q, rank, prefix
 
 
 @partial(jax.jit, static_argnames=("cfg",))
@@ -195,14 +227,17 @@ def select(cfg: DraftConfig, params, ds: DraftState, tree: SpecCache | None,
         history = append_tokens(history, ds.rows.lengths + 1, out,
                                 jnp.where(ds.rows.done, 0, outcome.n + 1))
     ds = ds._replace(rows=rows, history=history)
-    hit, hit_tokens, hit_q, rank = _lookup(cfg, tree, outcome)
-    b_tokens, b_q, point_mass = cfg.backup.propose(nnx.merge(cfg.graphdef, params), cfg, ds,
-                                                   req, hit)
+    hit, hit_tokens, hit_q, rank, hit_prefix = _lookup(cfg, tree, outcome)
+    model = nnx.merge(cfg.graphdef, params)
+    b_tokens, b_q, point_mass, b_prefix = cfg.backup.propose(model, cfg, ds, req, hit)
     tokens = jnp.where(hit[:, None], hit_tokens, b_tokens)
     q = None if cfg.greedy_only else jnp.where(hit[:, None, None], hit_q, b_q)
     spec = Speculation(tokens, q, point_mass & ~hit, hit)
     target_q = None if q is None else cfg.vocab.target_probs(q)
-    return ds._replace(spec=spec), spec._replace(q=target_q), rank
+    if b_prefix is None:
+        b_prefix = no_prefix(model.config, rows.last.shape[0], cfg.k, cfg.fmax)
+    glue = b_prefix if hit_prefix is None else pick(hit, hit_prefix, b_prefix)
+    return ds._replace(spec=spec, glue=glue), spec._replace(q=target_q), rank
 
 
 @partial(jax.jit, static_argnames=("cfg",))

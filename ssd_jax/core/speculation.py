@@ -77,12 +77,14 @@ def draft_decode(model, cfg, tokens: Int[Array, "B T"], start: Int[Array, " B"],
     `start`), each from the logits of the newest token; `cfg` is the draft's static
     draft.DraftConfig (vocab, k, greedy_only). The new K/V ride in the attention's `extra` block
     (T + K - 1 positions from `start`) and are returned, not written: SD commits them, SSD's
-    backup drops them. Returns (drafts [B, K], q [B, K, Vd] | None, new K/V)."""
+    backup keeps them for the next glue (draft.py). Returns (drafts [B, K], q [B, K, Vd] | None,
+    new K/V, the logits each draft came from [B, K, Vd]); unused outputs cost nothing (XLA
+    drops them)."""
     vocab, k, greedy_only = cfg.vocab, cfg.k, cfg.greedy_only
     B, T = tokens.shape
     x, extra = tokens, None
     pos = start[:, None] + jnp.arange(T)
-    toks, qs = [], []
+    toks, qs, step_logits = [], [], []
     for step in range(k):
         mask = causal_mask(B, T) if step == 0 else jnp.ones((B, 1, T + step), bool)
         logits, kv = model(vocab.draft_ids(x), pos, cache, start, mask, extra=extra,
@@ -92,10 +94,12 @@ def draft_decode(model, cfg, tokens: Int[Array, "B T"], start: Int[Array, " B"],
                        None if saguaro is None else (saguaro.fan[:, step], saguaro))
         toks.append(x[:, 0])
         qs.append(None if q is None else q[:, 0])
+        step_logits.append(logits[:, -1])
         extra = kv if extra is None else jax.tree.map(
             lambda a, b: jnp.concatenate([a, b], axis=1), extra, kv)
         pos = nxt
-    return jnp.stack(toks, 1), (None if greedy_only else jnp.stack(qs, 1)), extra
+    return (jnp.stack(toks, 1), (None if greedy_only else jnp.stack(qs, 1)), extra,
+            jnp.stack(step_logits, 1))
 
 
 @partial(jax.jit, static_argnames=("cfg",))
@@ -104,7 +108,7 @@ def _sd_draft(cfg, params, rows: RowState, cache: KVCache, req: Requests
     # [prev, r] at [L-1, L]: re-feeding prev is harmless when it is already in the cache and
     # necessary after a full acceptance, where the last draft token s_K was never fed.
     tokens = jnp.stack([rows.prev, rows.last], axis=1)
-    drafts, q, kv = draft_decode(nnx.merge(cfg.graphdef, params), cfg, tokens, rows.lengths - 1,
+    drafts, q, kv, _ = draft_decode(nnx.merge(cfg.graphdef, params), cfg, tokens, rows.lengths - 1,
                                  cache, req)
     no = jnp.zeros_like(rows.done)
     return Speculation(drafts, None if q is None else cfg.vocab.target_probs(q), no, ~no), kv

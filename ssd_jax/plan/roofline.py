@@ -101,10 +101,11 @@ def predict(s: Setup, a: Assumptions) -> tuple[list[Prediction], dict[str, float
     ph["sd_verify"] = fwd(s.target, tp_t, s.sd_k + 1)
     # SSD: verify K+1 on the target mesh while the draft mesh runs glue + K tree steps of M
     # branches per row (each step also reads the growing tree K/V and writes q' when sampling).
+    # The glue feeds one token: the rest was fed when the speculation was decoded (glue.py).
     ph["verify"] = fwd(s.target, tp_t, K + 1)
     q_write = B * M * s.draft.vocab_size * 4 if s.sampling else 0
     tree_kv = memory.tree_kv_bytes(s.draft, B, M, K, tp_d)
-    ph["tree"] = fwd(s.draft, tp_d, K + 1) + K * fwd(s.draft, tp_d, M, tree_kv + q_write)
+    ph["tree"] = fwd(s.draft, tp_d, 1) + K * fwd(s.draft, tp_d, M, tree_kv + q_write)
     ph["backup"] = K * fwd(s.draft, tp_d, 1)
     alpha = dev.collective_s if a.collective_s is None else a.collective_s
     spec = memory.speculation_bytes(B, K, s.draft.vocab_size, s.sampling)
