@@ -112,8 +112,20 @@ class Cells:
         return dataclasses.replace(point, k=spec.k, budget=spec.budget, backup=spec.backup,
                                    fanout=spec.fanout, c=spec.c), settings
 
+    def probe(self, mode: str, point: Point, ids, params) -> None:
+        """k=auto: let the engine see this workload before it chooses, as a user's engine has
+        seen the prompts it serves (the acceptance it learns moves with the kind of prompt;
+        chosen with another suite's, code got K and M fit for chat). Two prompts, untimed."""
+        if point.k is not None or mode == "ar":
+            return
+        probe, _ = self.pin(mode, point)
+        for b in self._batches(ids[:2 * point.batch], point):
+            self.llm.generate([ids[i] for i in b], [params[i] for i in b], mode=mode,
+                              chat=False, spec=probe.spec())
+
     def run(self, mode: str, suite: str, point: Point, ids, desc: str = "") -> dict:
         params = sampling(point, len(ids), self.out_len, self.seed, self.ignore_eos)
+        self.probe(mode, point, ids, params)
         point, chosen = self.pin(mode, point)
         warm_s = self.warmup(mode, point, ids, params)
         agg = Agg(point.for_mode(mode), self.driver(mode))

@@ -23,18 +23,25 @@ def test_hit_rate_grows_with_branches_and_acceptance():
 
 def test_predictions_follow_the_speed_model_by_hand():
     """K=1, M=2, a=0.5, r=1, costs chosen so every term is easy to compute by hand."""
-    costs = StepCosts({1: 0.1, 2: 0.2}, {1: 0.05, 2: 0.05, 3: 0.05})
+    costs = StepCosts({1: 0.1, 2: 0.2}, {1: 0.04, 2: 0.15, 3: 0.15})
     got = predict(costs, 1, 2, a=0.5, r=1.0, batch=1)
     # Fan-out of M=2 over two outcomes of equal weight: [1, 1]. P(0) = P(1) = 0.5.
     assert got["fanout"] == [1, 1]
     p = 0.5 * (1 - 2 ** -1) + 0.5 * (1 - 0.5 * 1 ** -1)  # 0.25 + 0.25
     e = 0.5 * 1 + 0.5 * 2
-    t_v, t_build, t_b = 0.2, 0.05 + 0.05, 0.05  # glue over K+1=2, one tree step of M=2
+    # Neural backup: every speculation was decoded by the draft, so the glue feeds one token
+    # (core/glue.py); then one tree step of M=2.
+    t_v, t_build, t_b = 0.2, 0.04 + 0.15, 0.04
     den = p * max(1, t_build / t_v) + (1 - p) * (1 + t_b / t_v)
     assert got["hit_rate"] == pytest.approx(p)
     assert got["ssd"] == pytest.approx(e / (t_v * den))
-    assert got["sd"] == pytest.approx(e / (0.05 + 0.2))
+    assert got["sd"] == pytest.approx(e / (0.04 + 0.2))
     assert got["ar"] == pytest.approx(10.0)
+    # Fast backup: after a miss the speculation is an n-gram guess, whose glue scores K+1 = 2.
+    fast = predict(costs, 1, 2, a=0.5, r=1.0, batch=1, backup="fast")
+    t_build = p * 0.04 + (1 - p) * 0.15 + 0.15
+    den = p * max(1, t_build / t_v) + (1 - p) * 1
+    assert fast["ssd"] == pytest.approx((p * e + (1 - p) * autotune.FAST_E_MISS) / (t_v * den))
 
 
 def test_choice_follows_the_costs():
@@ -94,4 +101,14 @@ def test_engine_chooses_settings_and_stays_exact(tiny_llama, tmp_path):
         s = out[0].metrics.settings
         assert s["automatic"] and 1 <= s["k"] <= autotune.K_MAX and s["predicted_tok_s"] > 0
     assert (tmp_path / "autotune.json").exists()
-    assert TuneStore(tmp_path / "autotune.json").acceptance("model|model")[0] != autotune.PRIOR_A
+    store = TuneStore(tmp_path / "autotune.json")
+    assert store.acceptance("model|model")[0] != autotune.PRIOR_A
+    # Learning weighs the evidence: a run of 50+ rounds moves the stored acceptance 90% of
+    # the way to its own, a run of 10 rounds 20%.
+    from ssd_jax.core.metrics import RunMetrics
+    for rounds, weight in ((400, 0.9), (10, 0.2)):
+        store.observe("model|model", 0.2, weight=1.0)
+        m = RunMetrics("ssd", 1, accept_hist=[0, 0, rounds], k=2)  # all accepted: a = 0.98
+        llm.core.learn("ssd", m)
+        got = store.acceptance("model|model")[0]
+        assert got == pytest.approx(0.2 + weight * (0.98 - 0.2), abs=1e-6)

@@ -209,24 +209,30 @@ def test_tree_branches_equal_plain_decode(pair):
         assert len(keys) == M
 
 
+def _built_round(draft, seed: int, m: int, fan_row: list[int], temperature: float):
+    """Two rows (K=3) whose draft side has built its speculation cache and committed the
+    glue: (runner, cfg, ds, req, cache), ready for select."""
+    runner = ModelRunner(draft)
+    K, B = len(fan_row) - 1, 2
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, 128, size=(B, 9))
+    spec = jnp.asarray(rng.integers(0, 128, size=(B, K)), jnp.int32)
+    ds, req = _draft_state(runner, prompt, jnp.array([17, 42]), spec,
+                           jnp.array([fan_row] * B, jnp.int32), temperature)
+    cfg = DraftConfig(runner.graphdef, SameVocab(128), K, m, greedy_only=temperature == 0,
+                      backup=BACKUPS["neural"])
+    sc, glue_kv = build_cache(cfg, runner.params, ds, req)
+    return runner, cfg, ds._replace(cache=commit(ds.cache, glue_kv, ds.rows.lengths)), req, sc
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_known_glue_equals_a_full_glue_pass(pair, temperature):
     """Row 0 hits a cached branch, row 1 misses and takes the neural backup: both speculations
     came out of the draft, so the next build feeds s_K alone (glue.py). Its glue K/V and fork
     candidates must equal a full glue pass over [r, s_1..s_K] (ds.glue=None), and so must the
     tree built on them."""
-    _, draft = pair
-    runner = ModelRunner(draft)
-    K, M, B = 3, 8, 2
-    rng = np.random.default_rng(2)
-    prompt = rng.integers(0, 128, size=(B, 9))
-    spec = jnp.asarray(rng.integers(0, 128, size=(B, K)), jnp.int32)
-    fan = jnp.array([[2, 2, 2, 2]] * B, jnp.int32)
-    ds, req = _draft_state(runner, prompt, jnp.array([17, 42]), spec, fan, temperature)
-    cfg = DraftConfig(runner.graphdef, SameVocab(128), K, M, greedy_only=temperature == 0,
-                      backup=BACKUPS["neural"])
-    sc, glue_kv = build_cache(cfg, runner.params, ds, req)
-    ds = ds._replace(cache=commit(ds.cache, glue_kv, ds.rows.lengths))
+    K, M = 3, 8
+    runner, cfg, ds, req, sc = _built_round(pair[1], 2, M, [2, 2, 2, 2], temperature)
     m0 = 5  # a branch of row 0 at accept length 2
     n = jnp.array([int(sc.branch_j[0, m0]), 1])
     cached = {int(x) for x in sc.fork_tok[1][np.asarray(sc.branch_j[1]) == 1]}
@@ -253,18 +259,7 @@ def test_backup_runs_only_when_a_live_row_misses(pair):
     once row 1 is finished (or padding), its miss must not run the K-step backup at all (its
     speculation is discarded), so the batch's round costs what an all-hit round costs."""
     from flax import nnx
-    _, draft = pair
-    runner = ModelRunner(draft)
-    K, M, B = 3, 6, 2
-    rng = np.random.default_rng(1)
-    prompt = rng.integers(0, 128, size=(B, 9))
-    spec = jnp.asarray(rng.integers(0, 128, size=(B, K)), jnp.int32)
-    fan = jnp.array([[3, 1, 1, 1]] * B, jnp.int32)
-    ds, req = _draft_state(runner, prompt, jnp.array([17, 42]), spec, fan, 0.0)
-    cfg = DraftConfig(runner.graphdef, SameVocab(128), K, M, greedy_only=True,
-                      backup=BACKUPS["neural"])
-    sc, glue_kv = build_cache(cfg, runner.params, ds, req)
-    ds = ds._replace(cache=commit(ds.cache, glue_kv, ds.rows.lengths))
+    runner, cfg, ds, req, sc = _built_round(pair[1], 1, 6, [3, 1, 1, 1], 0.0)
     n = jnp.array([0, 0])
     cached = {int(x) for x in sc.fork_tok[1][np.asarray(sc.branch_j[1]) == 0]}
     miss_tok = next(x for x in range(128) if x not in cached)
