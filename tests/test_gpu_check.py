@@ -83,14 +83,15 @@ def test_acceptance_from_tokens_per_round():
 def test_predict_by_hand():
     """Target: decode 10 ms, score T ms = 10 + 2(T-1); draft: decode 2 ms, score T = 2 + T.
     K=2, a=0.5 -> E=1.75, M=6. SD round = verify(3) 14 + 2 draft steps 4 = 18 ms.
-    SSD: build = glue score(3) 5 + 2 x score(6) 8 = 21 ms = 1.5 verifies; at p=1 a round costs
-    max(1, 1.5) verifies = 21 ms."""
+    SSD: build = glue 2 (one token: the rest is known, ssd_jax/core/glue.py) + 2 x score(6) 8
+    = 18 ms = 1.29 verifies; at p=1 a round costs max(1, 1.29) verifies = 18 ms."""
     target = dict(decode_ms=10.0, score_ms={1: 10.0, 2: 12.0, 4: 16.0, 8: 24.0})
     draft = dict(decode_ms=2.0, score_ms={1: 3.0, 4: 6.0, 8: 10.0})
     rows = {(r["mode"], r["hit_rate"]): r for r in
             step_costs.predict(target, draft, k=2, accept=0.5, hit_rates=[1.0, 0.0])}
     assert rows["AR", None]["tok_s"] == pytest.approx(100.0)
     assert rows["SD", None]["tok_s"] == pytest.approx(1.75 / 0.018)
-    assert rows["SSD", 1.0]["tok_s"] == pytest.approx(1.75 / 0.021)
+    assert rows["SSD", 1.0]["tok_s"] == pytest.approx(1.75 / 0.018)
+    assert rows["SSD", 1.0]["build_ms"] == pytest.approx(18.0)
     # p=0: every round pays verify + the 2-step backup (4 ms) -> 18 ms.
     assert rows["SSD", 0.0]["tok_s"] == pytest.approx(1.75 / 0.018)
