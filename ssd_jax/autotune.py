@@ -141,15 +141,20 @@ def time_scoring(runner, batch: int, token_counts, *, prefix: int = 128, reps: i
     fastest of `reps` (interference from other work only ever adds time), made non-decreasing
     in T (scoring more tokens never costs less; a dip is noise)."""
     import jax
-    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
     from ssd_jax.models.attention import causal_mask
+    from ssd_jax.sharding import put
+    # Inputs replicated on the runner's mesh explicitly: a pod's group mesh spans processes.
+    on = None if runner.mesh is None else NamedSharding(runner.mesh, P())
     cache = runner.new_cache(batch, prefix + max(token_counts) + 1)
-    plen = jnp.full((batch,), prefix, jnp.int32)
+    plen = put(np.full((batch,), prefix, np.int32), on)
     out = {}
     for t in sorted(token_counts):
-        tokens = jnp.zeros((batch, t), jnp.int32)
-        pos = jnp.broadcast_to(prefix + jnp.arange(t), (batch, t))
-        mask = causal_mask(batch, t)
+        tokens, pos, mask = put((np.zeros((batch, t), np.int32),
+                                 np.broadcast_to(prefix + np.arange(t, dtype=np.int32), (batch, t)),
+                                 np.asarray(causal_mask(batch, t))), on)
         times = []
         for i in range(reps + 1):  # the first call compiles
             t0 = time.perf_counter()

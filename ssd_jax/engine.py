@@ -80,6 +80,7 @@ class Engine:
         self.split = split_devices(*config.mesh) if config.mesh else None
         self.pod = _pod_of(self.split)
         self._control = self._watchdog = self._exchange = None
+        self._live = None  # the lead's open live batch on a pod (runtime/pod_live.LeadLive)
         if self.pod is not None:
             self._join_pod()
         self.has_draft, self.vocab = draft is not None, None
@@ -166,6 +167,8 @@ class Engine:
             self.pool.close()
         if self.pod is not None and self._watchdog is not None:
             if self.pod.is_lead:
+                if self._live is not None:
+                    self._live.close()
                 self._control.publish(dict(kind="stop"))
             self._watchdog.stop()
             self._watchdog = None
@@ -194,8 +197,20 @@ class Engine:
             if msg["kind"] == "stop":
                 break
             seq = self._control.seq - 1
+            if msg["kind"] == "measure":
+                self._measure_in_pod(seq, msg["rows"])
+                continue
             role = self.pod.role
             if role == "idle" or (role == "draft" and msg["mode"] != "ssd"):
+                continue
+            if msg["kind"] == "live":  # a server on the lead: mirror its live batch
+                from ssd_jax.runtime.pod import Stream
+                from ssd_jax.runtime.pod_live import mirror
+                try:
+                    live = self._pod_live(msg)
+                    mirror(live, Stream(f"live/{seq}"))
+                except Exception as e:
+                    self._pod_failed(e)
                 continue
             metrics = RunMetrics(mode=msg["mode"], batch=len(msg["ids"]),
                                  k=msg["spec"]["k"] if msg["mode"] != "ar" else 0,
@@ -209,6 +224,38 @@ class Engine:
                 self._control.report(seq, metrics.ssd.to_dict())
         self._watchdog.stop()
         self._watchdog = None
+
+    def _pod_step_costs(self, rows: int) -> autotune.StepCosts:
+        """The lead: each group measures its model on its own mesh at the same time (every
+        process of a group runs the same forwards); the draft group's first process reports."""
+        self._check_lead("measure")
+        seq = self._control.publish(dict(kind="measure", rows=rows))
+        try:
+            target = autotune.time_scoring(self.runner, rows, autotune.TARGET_TOKENS)
+        except Exception as e:
+            self._pod_failed(e)
+        draft = self._control.collect(seq, self.pod.draft_procs[0])
+        return autotune.StepCosts(target, {int(t): s for t, s in draft.items()})
+
+    def _measure_in_pod(self, seq: int, rows: int) -> None:
+        """A follower's part of `_pod_step_costs`."""
+        role = self.pod.role
+        if role == "idle":
+            return
+        try:
+            runner, tokens = ((self.runner, autotune.TARGET_TOKENS) if role == "target" else
+                              (self.draft_runner, autotune.DRAFT_TOKENS))
+            costs = autotune.time_scoring(runner, rows, tokens)
+        except Exception as e:
+            self._pod_failed(e)
+        if self.pod.process == self.pod.draft_procs[0]:
+            self._control.report(seq, costs)
+
+    def _check_lead(self, what: str) -> None:
+        if not self.pod.is_lead:
+            from ssd_jax.runtime.pod import PodError
+            raise PodError(f"{self.pod.name(self.pod.process)} follows the lead (process "
+                           f"{self.pod.lead}): call Engine.follow() here, not {what}")
 
     def _pod_failed(self, e: Exception):
         """A step that failed in one process leaves the job's processes out of step (the
@@ -275,6 +322,47 @@ class Engine:
         return self._decode_here(batch, mode, spec, metrics, msg["seq_len"], link=link,
                                  role=self.pod.role)
 
+    def _live_in_pod(self, mode: str, slots: int, spec: SpecConfig):
+        """The lead: open the pod's live batch (the followers build their sides of it, then
+        mirror every call; runtime/pod_live.py)."""
+        from ssd_jax.runtime.pod import PodError, Stream
+        from ssd_jax.runtime.pod_live import LeadLive, keep_for
+        self._check_lead("serve")
+        if self._live is not None and not self._live.closed:
+            raise PodError("this pod already has a live batch (a server): one at a time; close "
+                           "it (Server.shutdown) first")
+        msg = dict(kind="live", mode=mode, slots=slots, spec=asdict(spec),
+                   seq_len=round_up(self.config.max_seq_len, 256))
+        seq = self._control.publish(msg)
+        try:
+            live = self._pod_live(msg)
+        except Exception as e:
+            self._pod_failed(e)
+        self._live = LeadLive(live, Stream(f"live/{seq}", keep_for(live.slots)),
+                              self._pod_failed)
+        return self._live
+
+    def _pod_live(self, msg: dict):
+        """This process's side of a pod's live batch (the same code in every process)."""
+        from ssd_jax.core.live import LiveBatch
+        from ssd_jax.core.transport import DRAFT, TARGET, CollectiveLink
+        spec, mode, role = SpecConfig(**msg["spec"]), msg["mode"], self.pod.role
+        rows = padded_shape([1] * msg["slots"], self.config.prefill_bucket)[0]
+        links = {}
+        if mode == "ssd":  # the batch's link and a joining row's
+            links = {k: CollectiveLink(self._exchange, TARGET if role == "target" else DRAFT,
+                                       b, spec.k, self.model_config.vocab_size,
+                                       greedy_only=False)
+                     for k, b in (("link", rows), ("join_link", 1))}
+        target = self.runner if role == "target" else None  # a draft process never loads it
+        draft = (self.sd_draft_runner if mode == "sd" else
+                 self.draft_runner if role == "draft" else None)
+        return LiveBatch(mode, target, draft, self.vocab, slots=msg["slots"],
+                         seq_len=msg["seq_len"], prefill_bucket=self.config.prefill_bucket,
+                         spec=spec, side=role, shardings=(self.split.target_replicated,
+                                                          self.split.draft_replicated),
+                         **links)
+
     def _workers(self):
         from ssd_jax.runtime.pool import WorkerPool
         if self.pool is None:
@@ -293,6 +381,8 @@ class Engine:
         if self.config.draft_vocab is not None:  # a cut head is a cheaper draft step
             names[1] += f" (head {self.config.draft_vocab})"
         split = driver if self.config.mesh is None else f"{driver}:{self.config.mesh}"
+        if self.pod is not None:  # which processes hold the meshes matters too
+            split += f":{self.pod.n_processes}x{jax.local_device_count()}"
         key = autotune.cache_key(*names, rows, self.dtype, split)
         store = autotune.TuneStore(autotune.store_path(self.cache_dir))
         costs = store.costs(key)
@@ -301,6 +391,8 @@ class Engine:
                      "once per machine and pair) ...", rows)
             if driver == "processes":
                 costs = self._workers().step_costs(rows)
+            elif driver == "pod":
+                costs = self._pod_step_costs(rows)
             else:
                 costs = autotune.StepCosts(
                     autotune.time_scoring(self.runner, rows, autotune.TARGET_TOKENS),
@@ -313,14 +405,6 @@ class Engine:
         """The settings of this run: the caller's, or chosen through the speed model."""
         if mode == "ar" or not spec.auto:
             return replace(spec, backup=spec.backup_or_default), None
-        if self.pod is not None:
-            # Step costs are measured within one process; across a pod's groups they are not
-            # (yet): a fixed K, said once.
-            if self._logged_choice != "pod":
-                log.warning("automatic settings are not measured across a pod's processes: "
-                            "K=4 (pass SpecConfig(k=...) to choose)")
-                self._logged_choice = "pod"
-            return replace(spec, k=4, backup=spec.backup_or_default), None
         pair = autotune.pair_key(*(p or "model" for p in self.paths))
         a, r = autotune.TuneStore(autotune.store_path(self.cache_dir)).acceptance(pair)
         choice = autotune.choose(self._step_costs(mode, rows), a=a, r=r, batch=rows, mode=mode)
@@ -396,10 +480,11 @@ class Engine:
         metrics = RunMetrics(mode=mode, batch=len(ids), sync_phases=sync_phases,
                              k=spec.k if mode != "ar" else 0, settings=settings)
         if self.pod is not None:
-            if not self.pod.is_lead:
+            self._check_lead("run")
+            if self._live is not None and not self._live.closed:
                 from ssd_jax.runtime.pod import PodError
-                raise PodError(f"{self.pod.name(self.pod.process)} follows the lead (process "
-                               f"{self.pod.lead}): call Engine.follow() here, not run")
+                raise PodError("this pod's processes are serving a live batch (a server): "
+                               "offline runs wait until it is closed (Server.shutdown)")
             yield from self._run_in_pod(ids, params, stops, mode, seq_len, spec, metrics)
             return
         batch = make_batch(ids, params, stops, self.config.prefill_bucket)
@@ -428,11 +513,9 @@ class Engine:
         """A `core.live.LiveBatch` of `slots` rows decoding `mode` in this process (a server's
         continuous batch), with the settings it resolved (automatic ones chosen for `slots`)."""
         from ssd_jax.core.live import LiveBatch
-        if self.pod is not None:
-            raise NotImplementedError(
-                "the server's continuous batch runs in one process; on a pod (a mesh across "
-                "processes) only generate/stream run yet: serve from one host's devices")
         spec, _ = self._spec_for(spec, mode, slots)
+        if self.pod is not None:
+            return self._live_in_pod(mode, slots, spec), spec
         link = LocalLink() if self.split is None else LocalLink(
             self.split.target_replicated, self.split.draft_replicated)
         draft = {"ar": None, "sd": self.sd_draft_runner, "ssd": self.draft_runner}[mode]

@@ -5,7 +5,10 @@ writes what they gave to OUT as JSON, the others follow. The decode loops run un
 jax.transfer_guard_device_to_device("disallow") in every process, and the lead counts backend
 compiles during a second batch of the same shapes.
 
-    python tests/pod_job.py TARGET DRAFT OUT --mesh 2,1 [--sampled] [--slow-rounds]
+    python tests/pod_job.py TARGET DRAFT OUT --mesh 2,1 [--sampled] [--serve] [--long]
+
+--serve: last, the lead serves the OpenAI API from the pod (ssd_jax.serve's Server) and the
+official client sends a seeded sampled request alone, then greedy requests at once.
 """
 from __future__ import annotations
 
@@ -18,6 +21,12 @@ from ssd_jax.runtime import distributed
 PROMPTS = [[5, 9, 11], list(range(20, 39)), [7] * 8]
 SECOND = [[6, 2, 4], list(range(40, 58)), [9] * 5]  # the shapes of PROMPTS (bucket 32)
 SAMPLED_SEEDS = (11, 12, 13)  # one per prompt, T = 1, 16 tokens
+# The server's requests (the target has a word-level tokenizer, "w<id>"): 4 greedy requests of
+# different lengths for 2 slots, so rows join and leave a running batch.
+SERVE_SLOTS = 2
+SERVE_GREEDY = [("w5 w9 w11", 9), ("w20 w21 w22 w23 w24 w25", 14), ("w7 w7 w7", 5),
+                ("w3 w1 w4 w1 w5", 11)]
+SERVE_SAMPLED = ("w40 w41 w42", 12, 7)  # prompt, max_tokens, seed; T = 1
 
 
 def main() -> int:
@@ -27,6 +36,10 @@ def main() -> int:
     ap.add_argument("out")
     ap.add_argument("--mesh", required=True)
     ap.add_argument("--sampled", action="store_true")
+    ap.add_argument("--serve", action="store_true")
+    ap.add_argument("--auto", action="store_true",
+                    help="an SSD run with automatic settings (step costs measured on the pod)")
+    ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--long", action="store_true",
                     help="keep generating (for the kill tests): SSD runs until killed")
     args = ap.parse_args()
@@ -44,7 +57,7 @@ def main() -> int:
     mesh = tuple(int(x) for x in args.mesh.split(","))
     llm = LLM(args.target, draft=args.draft, spec=SpecConfig(k=3, budget=8),
               engine=EngineConfig(max_batch=4, max_seq_len=256, prefill_bucket=16, mesh=mesh),
-              progress=False)
+              cache_dir=args.cache_dir, progress=False)
     if not llm.is_lead:
         llm.follow()
         return 0
@@ -79,9 +92,52 @@ def main() -> int:
                   for s in SAMPLED_SEEDS]
             out["sampled_ssd"] = [o.token_ids for o in llm.generate(PROMPTS, ps, mode="ssd",
                                                                     chat=False)]
+        if args.auto:
+            res = llm.generate(PROMPTS, greedy, mode="ssd", chat=False, spec=SpecConfig())
+            out["auto"] = [o.token_ids for o in res]
+            out["auto_settings"] = res[0].metrics.settings
+        if args.serve:  # last: the server's shutdown ends the followers
+            out["served"] = serve(llm)
     with open(args.out, "w") as f:
         json.dump(out, f)
     return 0
+
+
+def serve(llm) -> dict:
+    """The OpenAI server on the pod's lead, queried by the official client."""
+    import socket
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+    import openai
+    import uvicorn
+    from ssd_jax.serve.app import build_app
+    from ssd_jax.serve.server import Server
+    server = Server(llm, mode="ssd", model_name="tiny", slots=SERVE_SLOTS, max_queue=8)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port,
+                                       log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    while not uv.started:
+        time.sleep(0.05)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                           max_retries=0, timeout=600)
+
+    def complete(prompt, n, **kw):
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=n,
+                                         extra_body={"ignore_eos": True}, **kw).choices[0].text
+
+    prompt, n, seed = SERVE_SAMPLED
+    got = {"sampled": complete(prompt, n, temperature=1.0, seed=seed)}
+    with ThreadPoolExecutor(len(SERVE_GREEDY)) as pool:
+        got["greedy"] = list(pool.map(lambda pn: complete(*pn, temperature=0.0), SERVE_GREEDY))
+    uv.should_exit = True
+    thread.join(60)
+    got["stopped"] = not server.scheduler._thread.is_alive()
+    return got
 
 
 if __name__ == "__main__":

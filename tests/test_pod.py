@@ -8,12 +8,15 @@ Layouts:
   4 processes x 2 devices  target TP-4 across processes 0 and 1; plan_split gives the draft
                            the last whole host (process 3, TP-2), process 2 holds nothing: a
                            spare host in the job, which must follow and end with the rest.
+Each job also chooses automatic settings on the pod and, last, serves the OpenAI API from its
+lead (tests/pod_job.py --serve), queried with the official client.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -24,7 +27,8 @@ import pytest
 from ssd_jax import LLM, EngineConfig, SamplingParams
 from ssd_jax.config import SpecConfig
 from tests.conftest import save_noisy_draft
-from tests.pod_job import PROMPTS, SAMPLED_SEEDS, SECOND
+from tests.pod_job import (PROMPTS, SAMPLED_SEEDS, SECOND, SERVE_GREEDY, SERVE_SAMPLED,
+                           SERVE_SLOTS)
 
 JOB = str(Path(__file__).with_name("pod_job.py"))
 ROOT = str(Path(__file__).resolve().parents[1])
@@ -33,11 +37,25 @@ SAMPLED = [SamplingParams(max_new_tokens=16, temperature=1.0, seed=s, ignore_eos
            for s in SAMPLED_SEEDS]
 
 
+def _with_word_tokenizer(src: Path, dst: Path) -> Path:
+    """A copy of a tiny HF model with a tokenizer whose tokens are the words "w<id>" (the
+    server needs text; one word per token makes text comparisons token comparisons)."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import WordLevel
+    shutil.copytree(src, dst)
+    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+    tok = Tokenizer(WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece()
+    tok.save(str(dst / "tokenizer.json"))
+    return dst
+
+
 @pytest.fixture(scope="module")
 def pair(tiny_llama, tmp_path_factory):
     path = tmp_path_factory.mktemp("pod_draft")
     save_noisy_draft(tiny_llama[1], path)
-    return str(tiny_llama[0]), str(path)
+    target = _with_word_tokenizer(tiny_llama[0], tmp_path_factory.mktemp("pod") / "target")
+    return str(target), str(path)
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +67,27 @@ def oracle(pair):
               engine=EngineConfig(max_batch=4, max_seq_len=256, prefill_bucket=16,
                                   driver="single"))
     return dict(
+        served=_served_oracle(ar, llm),
         ar=[o.token_ids for o in ar.generate(PROMPTS, GREEDY, mode="ar", chat=False)],
         second=[o.token_ids for o in ar.generate(SECOND, GREEDY, mode="ar", chat=False)],
         sampled_ssd=[o.token_ids for o in llm.generate(PROMPTS, SAMPLED, mode="ssd",
                                                        chat=False)])
+
+
+def _served_oracle(ar: LLM, ssd: LLM) -> dict:
+    """What the pod's server must send: greedy texts are offline AR's; the seeded sampled
+    request, sent alone to a fresh server, is what a one-device live batch of the same slots
+    gives it alone (the same rounds, hence the same speculations and random draws)."""
+    greedy = [ar.generate(p, SamplingParams(max_new_tokens=n, ignore_eos=True), mode="ar",
+                          chat=False)[0].text for p, n in SERVE_GREEDY]
+    prompt, n, seed = SERVE_SAMPLED
+    ids = ssd.prompts.encode(prompt, chat=False)
+    live, _ = ssd.core.live("ssd", SERVE_SLOTS, ssd.spec)
+    params = SamplingParams(max_new_tokens=n, temperature=1.0, seed=seed, ignore_eos=True)
+    tokens = [live.join(0, ids, params, [])]
+    while len(tokens) < n:
+        tokens += [int(t) for t in live.step()[0][0] if t >= 0]
+    return dict(greedy=greedy, sampled=ssd.prompts.text(tokens[:n]))
 
 
 def _launch(processes: int, devices: int, *job_args: str) -> subprocess.Popen:
@@ -68,7 +103,8 @@ def _launch(processes: int, devices: int, *job_args: str) -> subprocess.Popen:
 
 def _run_job(pair, tmp_path, processes, devices, mesh) -> dict:
     out = tmp_path / "out.json"
-    proc = _launch(processes, devices, *pair, str(out), "--mesh", mesh, "--sampled")
+    proc = _launch(processes, devices, *pair, str(out), "--mesh", mesh, "--sampled", "--serve",
+                   "--auto", "--cache-dir", str(tmp_path / "cache"))
     log, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, log[-4000:]
     return json.loads(out.read_text())
@@ -80,6 +116,13 @@ def _check(got: dict, oracle: dict) -> None:
     assert got["second"] == oracle["second"]
     assert got["second_compiles"] == 0  # a second batch of the same shapes reuses programs
     assert got["sampled_ssd"] == oracle["sampled_ssd"]
+    # Automatic settings: step costs measured by both groups on their meshes, K chosen.
+    assert got["auto"] == oracle["ar"]
+    assert got["auto_settings"]["automatic"] and got["auto_settings"]["k"] >= 1
+    served = got["served"]
+    assert served["greedy"] == oracle["served"]["greedy"]
+    assert served["sampled"] == oracle["served"]["sampled"]
+    assert served["stopped"]  # the server's shutdown stopped its decode thread
 
 
 def test_three_processes_target_tp2_across_two(pair, oracle, tmp_path):

@@ -16,7 +16,6 @@ row, so every join writes rows of one shape.
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +25,7 @@ from ssd_jax.config import SamplingParams
 from ssd_jax.core.batch import Batch, make_batch
 from ssd_jax.core.draft import DraftConfig
 from ssd_jax.core.rounds import DraftSide, RoundState, TargetSide, ssd_round
-from ssd_jax.core.speculation import sd_speculation
+from ssd_jax.core.speculation import Outcome, sd_speculation
 from ssd_jax.core.transport import LocalLink
 
 
@@ -72,25 +71,36 @@ def _mark_done(rows, slot):
 
 
 class LiveBatch:
-    """B slots decoding `mode` ("ar", "sd" or "ssd") in this process; `step()` runs one round
-    and returns each slot's emitted tokens. `spec` is a resolved config.SpecConfig."""
+    """B slots decoding `mode` ("ar", "sd" or "ssd"); `step()` runs one round and returns each
+    slot's emitted tokens. `spec` is a resolved config.SpecConfig.
+
+    `side`: None when this process holds both sides. In a pod (runtime/pod.py) each process
+    holds one, "target" or "draft", and builds this object with the runner of that side only;
+    `link` and `join_link` are then the groups' CollectiveLinks for the batch and for one
+    joining row, and every process of both groups makes the same calls in the same order
+    (runtime/pod_live.py mirrors the lead's)."""
 
     def __init__(self, mode: str, target_runner, draft_runner, vocab, *, slots: int,
-                 seq_len: int, prefill_bucket: int, spec=None, link: LocalLink = LocalLink()):
+                 seq_len: int, prefill_bucket: int, spec=None, link=LocalLink(),
+                 side: str | None = None, join_link=None, shardings=None):
         self.mode, self.seq_len, self.bucket, self.link = mode, seq_len, prefill_bucket, link
+        self.join_link = join_link or link
         self.spec, self.vocab, self.draft_runner = spec, vocab, draft_runner
+        self.on_target, self.on_draft = shardings or (link.target, link.draft)
         # The idle batch: every row a one-token request, done after prefill (all slots free).
         idle = self._batch([[0]] * slots, [SamplingParams(max_new_tokens=1, seed=0)] * slots)
         slots = idle.size  # batches are padded to a power of two: every row is a slot
-        self.target = TargetSide(target_runner, idle.place(link.target),
-                                 target_runner.new_cache(slots, seq_len))
-        ts = self.target.prefill()
-        self.draft, ds, spec_t, self.draft_cache = None, None, None, None
+        self.target = self.draft = None
+        ts = ds = spec_t = None
+        if side in (None, "target"):
+            self.target = TargetSide(target_runner, idle.place(self.on_target),
+                                     target_runner.new_cache(slots, seq_len))
+            ts = self.target.prefill()
         if mode == "ssd":
-            self.draft = DraftSide.create(draft_runner, vocab, idle.place(link.draft), spec,
-                                          seq_len, link.to_draft)
-            ds, spec_d = self.draft.start(link.to_draft(ts.rows.last))
-            spec_t = link.speculation(spec_d)
+            if side in (None, "draft"):
+                self.draft = DraftSide.create(draft_runner, vocab, idle.place(self.on_draft),
+                                              spec, seq_len, link.to_draft)
+            ds, spec_t = _start(self.draft, ts, link)
         elif mode == "sd":
             self.draft_cache = draft_runner.new_cache(slots, seq_len)
             self.sd_cfg = DraftConfig(draft_runner.graphdef, vocab, spec.k, budget=0,
@@ -104,64 +114,93 @@ class LiveBatch:
 
     # ---------------------------------------------------------------- slots
     def free_slots(self) -> list[int]:
+        """The target side's free slots (the side that owns requests)."""
         return [int(i) for i in np.flatnonzero(np.asarray(self.state.target.rows.done))]
 
-    def join(self, slot: int, ids: list[int], params: SamplingParams, stops: list[int]) -> int:
-        """Prefill one request into `slot`; returns its first token."""
-        b = _live(make_batch([ids], [params], [stops], self.bucket))
-        link, s = self.link, self.state
-        one = TargetSide(self.target.runner, b.place(link.target),
-                         self.target.runner.new_cache(1, self.seq_len))
-        ts1 = one.prefill()
-        self.target.batch = replace(self.target.batch, req=put_row(
-            self.target.batch.req, one.batch.req, slot))
-        ts, ds, spec_t = _put_state(s.target, ts1, slot), s.draft, s.spec
+    def join(self, slot: int, ids: list[int], params: SamplingParams, stops: list[int]
+             ) -> int | None:
+        """Prefill one request into `slot`; returns its first token (None on a draft-only
+        process)."""
+        b = self.request(ids, params, stops)
+        s = self.state
+        ts, ds, spec_t, ts1, one_draft = s.target, s.draft, s.spec, None, None
+        if self.target is not None:
+            runner = self.target.runner
+            one = TargetSide(runner, b.place(self.on_target), runner.new_cache(1, self.seq_len))
+            ts1 = one.prefill()
+            self.target.batch = replace(self.target.batch, req=put_row(
+                self.target.batch.req, one.batch.req, slot))
+            ts = _put_state(s.target, ts1, slot)
         if self.mode == "ssd":
             d = self.draft
-            bd = b.place(link.draft)
-            one_draft = replace(d, batch=bd, cache=d.runner.new_cache(1, self.seq_len))
-            ds1, spec1 = one_draft.start(link.to_draft(ts1.rows.last))
-            d.batch = replace(d.batch, req=put_row(d.batch.req, bd.req, slot))
-            ds = _put_state(s.draft, ds1, slot)
-            spec_t = put_row(s.spec, link.speculation(spec1), slot)
+            if d is not None:
+                one_draft = replace(d, batch=b.place(self.on_draft),
+                                    cache=d.runner.new_cache(1, self.seq_len))
+            ds1, spec1 = _start(one_draft, ts1, self.join_link)
+            if d is not None:
+                d.batch = replace(d.batch, req=put_row(d.batch.req, one_draft.batch.req, slot))
+                ds = _put_state(s.draft, ds1, slot)
+            if spec1 is not None:
+                spec_t = put_row(s.spec, spec1, slot)
         elif self.mode == "sd":
             d = self.draft_runner
             one_cache = d.fill(self.vocab.draft_ids(b.tokens), d.new_cache(1, self.seq_len))
             self.draft_cache = put_cache(self.draft_cache, one_cache, slot)
         self.state = RoundState(ts, ds, spec_t)
-        return int(np.asarray(ts1.rows.last)[0])
+        return None if ts1 is None else int(np.asarray(ts1.rows.last)[0])
+
+    def request(self, ids: list[int], params: SamplingParams, stops: list[int]) -> Batch:
+        """One request as a joining row; raises ValueError for what it cannot hold."""
+        return _live(make_batch([ids], [params], [stops], self.bucket))
 
     def leave(self, slot: int) -> None:
         """Free `slot` (finished, cancelled or disconnected): the row is frozen on every side."""
         s = self.state
-        ts = s.target._replace(rows=_mark_done(s.target.rows, slot))
+        ts = None if s.target is None else s.target._replace(
+            rows=_mark_done(s.target.rows, slot))
         ds = None if s.draft is None else s.draft._replace(rows=_mark_done(s.draft.rows, slot))
         self.state = RoundState(ts, ds, s.spec)
 
     # ---------------------------------------------------------------- rounds
-    def step(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    def step(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
         """One round (an AR step, an SD or an SSD round) over every slot. Returns the emitted
         tokens [B, K+1] (-1 padded; rows that were free emit nothing), the done flags and, in
-        SSD, whether each row's verified speculation was a cache hit."""
-        s, req, hit = self.state, self.target.batch.req, None
+        SSD, whether each row's verified speculation was a cache hit. A draft-only process
+        returns None."""
+        s, hit = self.state, None
         if self.mode == "ssd":
             s, t_rec, d_rec = ssd_round(self.target, self.draft, self.link, s)
+            if self.draft is not None:
+                # The fan-out (and an automatic backup) learn from the outcomes, as offline:
+                # refit every OBSERVE_EVERY rounds, not every round (new lists are a
+                # host->device copy).
+                self._records.append(d_rec)
+                if len(self._records) == OBSERVE_EVERY:
+                    s.draft = self.draft.observe(self._records, s.draft, None)
+                    self._records = []
+            self.state = s
+            if t_rec is None:
+                return None
             out, hit = t_rec[0], np.asarray(t_rec[3])
-            # The fan-out (and an automatic backup) learn from the outcomes, as offline: refit
-            # every OBSERVE_EVERY rounds, not every round (new lists are a host->device copy).
-            self._records.append(d_rec)
-            if len(self._records) == OBSERVE_EVERY:
-                s.draft = self.draft.observe(self._records, s.draft, None)
-                self._records = []
         elif self.mode == "sd":
             spec, self.draft_cache = sd_speculation(self.draft_runner, self.sd_cfg,
-                                                    s.target.rows, self.draft_cache, req)
+                                                    s.target.rows, self.draft_cache,
+                                                    self.target.batch.req)
             ts, _, out = self.target.verify(s.target, spec)
-            s = RoundState(ts, None, None)
+            self.state = RoundState(ts, None, None)
         else:
             before = s.target.rows
-            rows, cache = self.target.runner.decode(before, s.target.cache, req)
+            rows, cache = self.target.runner.decode(before, s.target.cache,
+                                                    self.target.batch.req)
             out = jnp.where(before.done, -1, rows.last)[:, None]
-            s = RoundState(s.target._replace(rows=rows, cache=cache), None, None)
-        self.state = s
-        return np.asarray(out), np.asarray(s.target.rows.done), hit
+            self.state = RoundState(s.target._replace(rows=rows, cache=cache), None, None)
+        return np.asarray(out), np.asarray(self.state.target.rows.done), hit
+
+
+def _start(draft: DraftSide | None, ts, link) -> tuple:
+    """The draft side's prefill and first speculation from the target's first tokens, across
+    `link` (a pod process passes None for the side it does not hold, as ssd_loop does).
+    Returns (the draft's state, the target's copy of the speculation), None where absent."""
+    first = link.outcome(None if ts is None else Outcome(ts.rows.last * 0 - 1, ts.rows.last))
+    ds, spec = draft.start(first.t) if draft is not None else (None, None)
+    return ds, link.speculation(spec)

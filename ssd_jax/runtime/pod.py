@@ -12,7 +12,9 @@ Every host runs the same command. After `distributed.initialize()`, the device s
 The lead publishes each request on JAX's coordination service (its key-value store); the
 others follow (`Engine.follow`): every process of a group then runs the same decode loop over
 its group's global mesh, and the groups exchange the round's messages through
-`core.transport.GroupExchange`. AR and SD run on the target group alone.
+`core.transport.GroupExchange`. AR and SD run on the target group alone. A server's continuous
+batch is mirrored call by call on a `Stream` (runtime/pod_live.py); automatic settings are
+measured by both groups at once (Engine._pod_step_costs).
 
 Failure is loud: each process beats a counter in the store and watches the others'. The first
 to see a beat stopped for `SSD_JAX_PEER_TIMEOUT_S` seconds (default 20) writes its verdict to
@@ -200,14 +202,7 @@ class Control:
 
     def receive(self) -> dict:
         """Follower: wait for the lead's next message (the watchdog ends the wait if it dies)."""
-        key = f"{KEY}/msg/{self.seq}"
-        while True:
-            try:
-                raw = self.client.blocking_key_value_get(key, 5_000)
-                break
-            except Exception as e:  # noqa: BLE001 - a timeout: keep waiting
-                if "DEADLINE" not in str(e).upper() and "timed out" not in str(e).lower():
-                    raise
+        raw = _wait(self.client, f"{KEY}/msg/{self.seq}")
         self.seq += 1
         return json.loads(raw)
 
@@ -217,3 +212,40 @@ class Control:
     def collect(self, seq: int, process: int, timeout_s: float = 600.0) -> dict:
         return json.loads(self.client.blocking_key_value_get(f"{KEY}/report/{seq}/{process}",
                                                              int(timeout_s * 1000)))
+
+
+def _wait(client, key: str) -> str:
+    """Block until `key` is set (the watchdog ends this process if the writer dies)."""
+    while True:
+        try:
+            return client.blocking_key_value_get(key, 5_000)
+        except Exception as e:  # noqa: BLE001 - a timeout: keep waiting
+            if "DEADLINE" not in str(e).upper() and "timed out" not in str(e).lower():
+                raise
+
+
+class Stream:
+    """A sequence of messages from the lead to the processes that take part in one long-lived
+    exchange (a server's live batch: every join, leave and round), read in order.
+
+    A server makes one message per round for as long as it runs, so the lead deletes each
+    message KEEP messages later. That is safe because a reader is never that far behind: each
+    round is a collective of every reader with the lead, so the lead cannot finish round n
+    (and publish past it) before each reader has read message n, and between rounds the lead
+    publishes at most one join or leave per slot."""
+
+    KEEP = 1024
+
+    def __init__(self, name: str, keep: int = KEEP):
+        self.prefix, self.client, self.n, self.keep = f"{KEY}/{name}", _client(), 0, keep
+
+    def publish(self, message: dict) -> None:
+        self.client.key_value_set(f"{self.prefix}/{self.n}", json.dumps(message))
+        if self.n >= self.keep:
+            self.client.key_value_delete(f"{self.prefix}/{self.n - self.keep}")
+        self.n += 1
+
+    def receive(self) -> dict:
+        raw = _wait(self.client, f"{self.prefix}/{self.n}")
+        self.n += 1
+        return json.loads(raw)

@@ -1,4 +1,7 @@
-"""python -m ssd_jax.serve --model M --draft D --mode ar|sd|ssd --host 127.0.0.1 --port N"""
+"""python -m ssd_jax.serve --model M --draft D --mode ar|sd|ssd --host 127.0.0.1 --port N
+
+On a pod (every host runs the same command; `--mesh NT,ND` spans processes) the target group's
+first process serves HTTP and the others run their part of each round (runtime/pod_live.py)."""
 from __future__ import annotations
 
 import argparse
@@ -24,6 +27,8 @@ def parser() -> argparse.ArgumentParser:
     a("--dtype", default="float32", choices=["float32", "bfloat16"])
     a("--draft-vocab", type=int, default=None, metavar="N",
       help="cut the draft's LM head to its N most frequent tokens (cheaper draft steps)")
+    a("--mesh", default=None, metavar="NT,ND",
+      help="target devices, draft devices (a pod: meshes across the job's processes)")
     return ap
 
 
@@ -39,17 +44,28 @@ def main(argv=None) -> int:
     import uvicorn
     from ssd_jax import LLM, EngineConfig
     from ssd_jax.config import SpecConfig
+    from ssd_jax.runtime import distributed
     from ssd_jax.serve.app import build_app
     from ssd_jax.serve.server import Server
     draft = None if args.draft in ("none", "") or args.mode == "ar" else args.draft
     try:
+        distributed.initialize()  # a pod: join the job before anything touches a device
+        mesh = None
+        if args.mesh:
+            try:
+                mesh = tuple(int(x) for x in args.mesh.split(","))
+            except ValueError:
+                raise ValueError(f"--mesh {args.mesh!r}: give two integers, e.g. --mesh 4,1")
         spec = SpecConfig(k=args.k, budget=args.budget)
         llm = LLM(args.model, draft=draft, dtype=args.dtype, spec=spec, engine=EngineConfig(
-            max_batch=args.slots, max_seq_len=args.max_seq_len, driver="single",
+            max_batch=args.slots, max_seq_len=args.max_seq_len, driver="single", mesh=mesh,
             draft_vocab=args.draft_vocab))
+        if not llm.is_lead:  # a pod process other than the lead: it runs its part of rounds
+            llm.follow()
+            return 0
         server = Server(llm, mode=args.mode, model_name=args.served_model_name or args.model,
                         slots=args.slots, max_queue=args.max_queue)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"ssd-serve: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     logging.getLogger("ssd_jax").info("listening on http://%s:%d/v1", args.host, args.port)
