@@ -51,8 +51,9 @@ def validate(args) -> tuple[list[str], list[Point]]:
             raise BenchError(f"temperature {t} is invalid: use 0 (greedy) or a value > 0")
     if not 0 < args.top_p <= 1:
         raise BenchError(f"--top-p {args.top_p} is invalid: it must lie in (0, 1]")
-    if not 0 < args.c <= 1:
-        raise BenchError(f"--c {args.c} is invalid: Saguaro's C must lie in (0, 1]")
+    for c in [args.c, *args.sweep_c]:
+        if c is not None and not 0 < c <= 1:
+            raise BenchError(f"C={c} is invalid: Saguaro's C must lie in (0, 1]")
     base = Point(k=args.k, budget=None if args.k is None else args.budget, fanout=args.fanout, c=args.c,
                  backup=args.backup or (None if args.k is None else "neural"),
                  temperature=args.temperature, top_p=args.top_p,
@@ -60,7 +61,8 @@ def validate(args) -> tuple[list[str], list[Point]]:
     points = [base]
     if args.grid:
         points += [dataclasses.replace(base, k=k, budget=m) for k, m in pairs]
-    sweeps = (("temperature", args.sweep_temperature), ("batch", args.sweep_batch))
+    sweeps = (("temperature", args.sweep_temperature), ("batch", args.sweep_batch),
+              ("c", args.sweep_c))
     if not args.grid:
         sweeps = (("k", args.sweep_k), ("budget", args.sweep_budget)) + sweeps
     for field, values in sweeps:

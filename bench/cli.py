@@ -74,7 +74,8 @@ def parser() -> argparse.ArgumentParser:
       "engine's speed model from step costs it measures once per machine and pair)")
     a("--fanout", default="geometric", choices=["uniform", "geometric", "empirical"])
     a("--budget", type=int, default=0, help="SSD branches per row M (0: 2(K+1))")
-    a("--c", type=float, default=1.0, help="Saguaro sampling constant C in (0, 1]")
+    a("--c", type=float, default=None,
+      help="Saguaro sampling constant C in (0, 1] (default: chosen with --k auto, else 1)")
     a("--backup", default=None, choices=["neural", "fast", "auto"],
       help="SSD backup on a cache miss (default: neural; with --k auto, chosen with K)")
     a("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -95,6 +96,8 @@ def parser() -> argparse.ArgumentParser:
     a("--sweep-temperature", type=_list(float, "--sweep-temperature"), default=[],
       metavar="T,T,...")
     a("--sweep-batch", type=_list(int, "--sweep-batch"), default=[], metavar="B,B,...")
+    a("--sweep-c", type=_list(float, "--sweep-c"), default=[], metavar="C,C,...",
+      help="Saguaro constants to time (SSD at T > 0)")
     a("--grid", action="store_true",
       help="sweep every (K, M) of --sweep-k x --sweep-budget, not each list on its own")
     a("--all-cores", action="store_true",

@@ -108,7 +108,11 @@ class Cells:
         cell). Returns the pinned point and the choice's description."""
         if point.k is not None or mode == "ar":
             return point, None
-        spec, settings = self.llm.settings(mode, rows=point.batch, spec=point.spec())
+        from ssd_jax import SamplingParams
+        sampled = (SamplingParams(temperature=point.temperature, top_p=point.top_p, seed=0)
+                   if point.temperature > 0 else None)  # Saguaro's C is chosen for it
+        spec, settings = self.llm.settings(mode, rows=point.batch, spec=point.spec(),
+                                           sampling_params=sampled)
         return dataclasses.replace(point, k=spec.k, budget=spec.budget, backup=spec.backup,
                                    fanout=spec.fanout, c=spec.c), settings
 

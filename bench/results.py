@@ -124,14 +124,15 @@ def summary_table(results: dict) -> str:
 
 
 def detail_table(results: dict) -> str:
-    head = ("| suite | mode | K | M | T | B | tok/s | TTFT ms | TPOT ms | tok/round | accept | "
+    head = ("| suite | mode | K | M | C | T | B | tok/s | TTFT ms | TPOT ms | tok/round | accept | "
             "hit rate | vs AR | predicted vs AR | = AR |")
-    lines = [head, "|" + "---|" * 15]
+    lines = [head, "|" + "---|" * 16]
     for c in results["cells"]:
         ssd, pred, eq = c.get("ssd"), c.get("prediction"), c.get("matches_ar")
         lines.append("| " + " | ".join([
             c["suite"], LABELS.get(c["mode"], c["mode"]), _f(c["k"], "{}"),
             _f(c["budget"] or (2 * (c["k"] + 1) if c["budget"] is not None else None), "{}"),
+            _f(c["c"] if c["mode"] == "ssd" else None, "{:g}"),
             _f(c["temperature"], "{:g}"), str(c["batch"]), _f(c["decode_tok_s"]),
             _f(c["ttft_ms"], "{:.0f}"), _f(c["tpot_ms"]), _f(c["tokens_per_round"], "{:.2f}"),
             _f(c["acceptance"], "{:.2f}"), _f(ssd and ssd["hit_rate"], "{:.2f}"),
@@ -177,12 +178,14 @@ def section(results: dict, plot_dir: str | None = None) -> str:
     spec = ""
     if any(c["mode"] in ("sd", "ssd", "hf-assisted") for c in results["cells"]):
         if base["k"] is None:
+            c = ("Saguaro's C chosen with them at T > 0" if base["c"] is None
+                 else f"C={base['c']:g}")
             spec = (f"; K, M and backup chosen by the engine's speed model per mode (cells); "
-                    f"{base['fanout']} fan-out, C={base['c']:g}")
+                    f"{base['fanout']} fan-out, {c}")
         else:
             mb = base["budget"] or 2 * (base["k"] + 1)
             spec = (f"; K={base['k']}, M={mb} ({base['fanout']} fan-out, {base['backup']} "
-                    f"backup, C={base['c']:g})")
+                    f"backup, C={1.0 if base['c'] is None else base['c']:g})")
     out = [BEGIN, "## Benchmark results", "",
            f"Machine: {machine_line(results)}", "",
            f"Models: {models}. Protocol: suites {', '.join(cfg['suites'])} × "

@@ -57,7 +57,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fanout", default="geometric", choices=["uniform", "geometric", "empirical"])
     ap.add_argument("--backup", default=None, choices=["neural", "fast", "auto"],
                     help="SSD backup on a cache miss (default: chosen with K)")
-    ap.add_argument("--c", type=float, default=1.0, help="Saguaro sampling constant in (0, 1]")
+    ap.add_argument("--c", type=float, default=None,
+                    help="Saguaro sampling constant in (0, 1] (default: chosen with K when "
+                         "sampling, else 1)")
     ap.add_argument("--driver", default="auto", choices=["auto", "single", "processes"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="weights and compute (bfloat16 on GPU/TPU; float32 is faster on CPU)")

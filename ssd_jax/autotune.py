@@ -65,10 +65,12 @@ class Choice:
     tok_s: dict  # mode -> predicted tok/s (ar, sd, ssd)
     a: float
     r: float
+    c: float | None = None  # Saguaro's C, chosen for a sampled SSD run (None: greedy, C = 1)
 
     def describe(self) -> str:
-        return (f"K={self.k}, M={self.budget} (fan-out {self.fanout}), backup {self.backup}; "
-                f"predicted SSD {self.tok_s['ssd']:.1f} tok/s, SD {self.tok_s['sd']:.1f}, "
+        saguaro = "" if self.c is None else f", Saguaro C={self.c:g}"
+        return (f"K={self.k}, M={self.budget} (fan-out {self.fanout}), backup {self.backup}"
+                f"{saguaro}; predicted SSD {self.tok_s['ssd']:.1f} tok/s, SD {self.tok_s['sd']:.1f}, "
                 f"AR {self.tok_s['ar']:.1f} (a={self.a:.2f}, hit rate {self.hit_rate:.2f})")
 
 
@@ -82,9 +84,17 @@ def hit_rate(a: float, r: float, fan: np.ndarray) -> float:
 
 
 def predict(costs: StepCosts, k: int, m: int, *, a: float, r: float, batch: int,
-            backup: str = "neural") -> dict:
+            backup: str = "neural", c: float = 1.0, saguaro=None) -> dict:
+    """`saguaro`: a sampled run's saguaro_curve.SaguaroCurve, which gives acceptance and hit
+    rate at Saguaro's C (None: greedy, the power-law hit model above)."""
+    e_sd = float((geometric_probs(a, k) * (np.arange(k + 1) + 1)).sum())  # SD: no Saguaro
     fan = FanoutModel("geometric", k, m, a=a, r=r).primary()
-    p = hit_rate(a, r, fan)
+    if saguaro is None:
+        p = hit_rate(a, r, fan)
+    else:  # C moves acceptance, which moves the fan-out: refit it once at the new a
+        a = saguaro.acceptance(a, c, fan)
+        fan = FanoutModel("geometric", k, m, a=a, r=r).primary()
+        p = saguaro.hit_rate(c, fan, a)
     e = float((geometric_probs(a, k) * (np.arange(k + 1) + 1)).sum())
     t_v = costs.target[k + 1]
     known = 1.0 if backup == "neural" else p ** batch  # the glue's prefix is known (glue.py)
@@ -93,31 +103,36 @@ def predict(costs: StepCosts, k: int, m: int, *, a: float, r: float, batch: int,
     t_backup = k * costs.draft_at(1) if backup == "neural" else 0.0
     e_miss = e if backup == "neural" else FAST_E_MISS
     speedup = ssd_speedup(p, p ** batch, e, e_miss, t_build / t_v, t_backup / t_v)
-    return dict(hit_rate=p, tokens_per_round=e, fanout=[int(x) for x in fan],
-                ssd=batch * speedup / t_v, sd=batch * e / (k * costs.draft_at(1) + t_v),
+    return dict(hit_rate=p, tokens_per_round=e, fanout=[int(x) for x in fan], a=a,
+                ssd=batch * speedup / t_v, sd=batch * e_sd / (k * costs.draft_at(1) + t_v),
                 ar=batch / costs.target[1])
 
 
 def choose(costs: StepCosts, *, a: float = PRIOR_A, r: float = PRIOR_R, batch: int = 1,
-           mode: str = "ssd") -> Choice:
-    """The (K, M, backup) with the highest predicted tok/s for `mode` ("ssd" or "sd")."""
+           mode: str = "ssd", saguaro=None) -> Choice:
+    """The (K, M, backup and, with a sampled run's `saguaro` curve, C) with the highest
+    predicted tok/s for `mode` ("ssd" or "sd")."""
     best = None
     k_max = max(t for t in costs.target) - 1
-    for k in range(1, min(K_MAX, k_max) + 1):
-        for m in range(k + 1, min(M_MAX, 4 * (k + 1)) + 1):
-            for backup in ("neural", "fast"):
-                pred = predict(costs, k, m, a=a, r=r, batch=batch, backup=backup)
-                score = pred[mode]
-                if best is None or score > best[0] + 1e-9:
-                    best = (score, k, m, backup, pred)
+    cs = saguaro.cs if saguaro is not None and mode == "ssd" else (1.0,)
+    for c in cs:
+        for k in range(1, min(K_MAX, k_max) + 1):
+            for m in range(k + 1, min(M_MAX, 4 * (k + 1)) + 1):
+                for backup in ("neural", "fast"):
+                    pred = predict(costs, k, m, a=a, r=r, batch=batch, backup=backup, c=c,
+                                   saguaro=saguaro)
+                    score = pred[mode]
+                    if best is None or score > best[0] + 1e-9:
+                        best = (score, k, m, backup, c, pred)
+                    if mode == "sd":
+                        break  # SD has no branches or backup: one M per K
                 if mode == "sd":
-                    break  # SD has no branches or backup: one M per K
-            if mode == "sd":
-                break
-    _, k, m, backup, pred = best
+                    break
+    _, k, m, backup, c, pred = best
     return Choice(k=k, budget=m, backup=backup, fanout=pred["fanout"],
                   hit_rate=pred["hit_rate"], tokens_per_round=pred["tokens_per_round"],
-                  tok_s={x: pred[x] for x in ("ar", "sd", "ssd")}, a=a, r=r)
+                  tok_s={x: pred[x] for x in ("ar", "sd", "ssd")}, a=a, r=r,
+                  c=c if saguaro is not None and mode == "ssd" else None)
 
 
 def acceptance_from_rounds(hist) -> float | None:
@@ -210,6 +225,16 @@ class TuneStore:
     def save_costs(self, key: str, costs: StepCosts, note: str) -> None:
         data = self._read()
         data.setdefault("costs", {})[key] = dict(asdict(costs), note=note)
+        self._write(data)
+
+    def saguaro(self, key: str):
+        from ssd_jax.saguaro_curve import SaguaroCurve
+        entry = self._read().get("saguaro", {}).get(key)
+        return None if entry is None else SaguaroCurve.from_dict(entry)
+
+    def save_saguaro(self, key: str, curve) -> None:
+        data = self._read()
+        data.setdefault("saguaro", {})[key] = curve.to_dict()
         self._write(data)
 
     def acceptance(self, pair: str) -> tuple[float, float]:

@@ -155,13 +155,14 @@ class SpecConfig:
     """Speculation settings shared by SD and SSD (SSD-only fields are ignored by SD).
 
     k=None (the default) lets the engine choose K, the branch budget and the backup from step
-    costs it measures once per machine and pair (`ssd_jax.autotune`); explicit values win.
+    costs it measures once per machine and pair (`ssd_jax.autotune`), and for a sampled SSD run
+    Saguaro's C from the pair's distributions (`ssd_jax.saguaro_curve`); explicit values win.
     """
 
     k: int | None = None  # lookahead: draft tokens per round (None: chosen automatically)
     fanout: str = "geometric"  # SSD: "uniform" | "geometric" | "empirical"
     budget: int = 0  # SSD: branches per row M (0 = 2 * (K + 1), or chosen with K)
-    c: float = 1.0  # SSD Saguaro sampling constant in (0, 1]
+    c: float | None = None  # SSD Saguaro constant in (0, 1] (None: chosen with K at T > 0, else 1)
     backup: str | None = None  # SSD: "neural" | "fast" | "auto" (None: chosen with K, or neural)
 
     def __post_init__(self):
@@ -178,7 +179,7 @@ class SpecConfig:
             raise ValueError(f"budget={self.budget} is invalid: use 0 (default) or a count")
         if self.fanout not in ("uniform", "geometric", "empirical"):
             raise ValueError(f"fanout={self.fanout!r}: use 'uniform', 'geometric' or 'empirical'")
-        if not 0.0 < self.c <= 1.0:
+        if self.c is not None and not 0.0 < self.c <= 1.0:
             raise ValueError(f"c={self.c} is invalid: Saguaro's C must lie in (0, 1]")
         if self.backup not in (None, "neural", "fast", "auto"):
             raise ValueError(f"backup={self.backup!r}: use 'neural', 'fast' or 'auto'")

@@ -92,6 +92,7 @@ class Engine:
                 described = describe(draft, dtype=dtype, cache_dir=cache_dir)
             self.vocab = pair_vocab(target, described, config.draft_vocab, cache_dir)
         self.last_choice: autotune.Choice | None = None  # automatic settings of the latest run
+        self._curve = None  # the latest Saguaro curve (saguaro_curve.py), for learn()
         self._logged_choice: autotune.Choice | None = None
 
     # ---------------------------------------------------------------- models, loaded on use
@@ -400,19 +401,52 @@ class Engine:
             store.save_costs(key, costs, note=f"{names[0]} + {names[1]}, batch {rows}, {split}")
         return costs
 
-    def _spec_for(self, spec: SpecConfig, mode: str, rows: int
+    def _spec_for(self, spec: SpecConfig, mode: str, rows: int,
+                  sampling: SamplingParams | None = None
                   ) -> tuple[SpecConfig, autotune.Choice | None]:
-        """The settings of this run: the caller's, or chosen through the speed model."""
+        """The settings of this run: the caller's, or chosen through the speed model.
+        `sampling`: the run's (first sampled row's) settings, for Saguaro's C."""
         if mode == "ar" or not spec.auto:
-            return replace(spec, backup=spec.backup_or_default), None
+            return replace(spec, backup=spec.backup_or_default, c=spec.c or 1.0), None
         pair = autotune.pair_key(*(p or "model" for p in self.paths))
         a, r = autotune.TuneStore(autotune.store_path(self.cache_dir)).acceptance(pair)
-        choice = autotune.choose(self._step_costs(mode, rows), a=a, r=r, batch=rows, mode=mode)
+        curve = self._saguaro(mode, sampling) if spec.c is None else None
+        choice = autotune.choose(self._step_costs(mode, rows), a=a, r=r, batch=rows, mode=mode,
+                                 saguaro=curve)
         if choice != self._logged_choice:  # warmup and the run choose alike: say it once
             log.info("automatic settings (%s): %s", mode.upper(), choice.describe())
             self._logged_choice = choice
         return replace(spec, k=choice.k, budget=choice.budget,
-                       backup=spec.backup or choice.backup), choice
+                       backup=spec.backup or choice.backup,
+                       c=spec.c or choice.c or 1.0), choice
+
+    def _saguaro(self, mode: str, sampling: SamplingParams | None):
+        """How C moves acceptance and hit rate for this pair at these sampling settings
+        (saguaro_curve.py), measured once and cached; None for greedy runs, for pairs without a
+        tokenizer (no calibration text) and on a pod (not measured across processes: C = 1)."""
+        from ssd_jax.saguaro_curve import CALIBRATION_TEXT, POSITIONS, SaguaroCurve
+        from ssd_jax.saguaro_curve import teacher_forced_probs
+        if (mode != "ssd" or sampling is None or sampling.temperature == 0
+                or self.tokenizer is None or self.pod is not None):
+            return None
+        t, top_k, top_p = float(sampling.temperature), int(sampling.top_k), float(sampling.top_p)
+        pair = autotune.pair_key(*(p or "model" for p in self.paths))
+        key = f"{pair}|head {self.config.draft_vocab}|T={t:g}|top_k={top_k}|top_p={top_p:g}"
+        store = autotune.TuneStore(autotune.store_path(self.cache_dir))
+        curve = store.saguaro(key)
+        if curve is None:
+            log.info("measuring how Saguaro's C moves acceptance and hit rate (T=%g; once per "
+                     "pair and sampling settings) ...", t)
+            tokens = self.tokenizer.encode(CALIBRATION_TEXT)[:POSITIONS]
+            if self.driver(mode) == "processes":
+                p, q = self._workers().calibration_probs(tokens, t, top_k, top_p)
+            else:
+                p = teacher_forced_probs(self.runner, tokens, t, top_k, top_p)
+                q = teacher_forced_probs(self.draft_runner, tokens, t, top_k, top_p, self.vocab)
+            curve = SaguaroCurve.fit(p, q)
+            store.save_saguaro(key, curve)
+        self._curve = curve
+        return curve
 
     def learn(self, mode: str, metrics: RunMetrics) -> None:
         """Keep this pair's measured acceptance for the next automatic choice, weighted by
@@ -423,14 +457,22 @@ class Engine:
         if mode == "ar" or rounds < 8:
             return
         a = autotune.acceptance_from_rounds(metrics.accept_hist)
+        s = metrics.settings or {}
+        if (s.get("c") or 1.0) != 1.0 and self._curve is not None and s["c"] in self._curve.cs:
+            # A run at Saguaro's C < 1 accepts less by design: keep what C = 1 would accept
+            # (the latest curve's ratio, over an even split of the run's branches).
+            fan = [max(1, s["budget"] // (s["k"] + 1))] * (s["k"] + 1)
+            a = min(0.98, a / max(self._curve.acceptance(1.0, s["c"], fan), 1e-3))
         pair = autotune.pair_key(*(p or "model" for p in self.paths))
         autotune.TuneStore(autotune.store_path(self.cache_dir)).observe(
             pair, a, weight=min(0.9, rounds / 50))
 
-    def settings(self, mode: str, rows: int, spec: SpecConfig) -> tuple[SpecConfig, dict | None]:
+    def settings(self, mode: str, rows: int, spec: SpecConfig,
+                 sampling: SamplingParams | None = None) -> tuple[SpecConfig, dict | None]:
         """The settings a run of `rows` (padded) rows would use now, resolved (automatic ones
-        chosen, measuring step costs once), and their description as metrics.settings has it."""
-        resolved, choice = self._spec_for(spec, mode, rows)
+        chosen, measuring step costs once), and their description as metrics.settings has it.
+        `sampling`: a sampled run's settings (Saguaro's C is chosen for them)."""
+        resolved, choice = self._spec_for(spec, mode, rows, sampling)
         return resolved, self._settings(resolved, mode, choice)
 
     @staticmethod
@@ -442,7 +484,8 @@ class Engine:
                    c=spec.c, automatic=choice is not None)
         if choice is not None:
             out.update(predicted_tok_s=choice.tok_s[mode], predicted=choice.tok_s,
-                       a_prior=choice.a, fanout_lists=choice.fanout)
+                       a_prior=choice.a, fanout_lists=choice.fanout,
+                       predicted_hit_rate=choice.hit_rate)
         return out
 
     # ---------------------------------------------------------------- runs
@@ -452,7 +495,8 @@ class Engine:
         fits = (self.config, self.model_config.max_position_embeddings)
         check_fits(ids, params, mode, *fits)  # batch size and context, before any measuring
         rows, prompt = padded_shape([len(t) for t in ids], self.config.prefill_bucket)
-        spec, choice = self._spec_for(spec, mode, rows)
+        sampled = next((p for p in params if p.temperature > 0), None)
+        spec, choice = self._spec_for(spec, mode, rows, sampled)
         need = check_fits(ids, params, mode, *fits, k=spec.k or 0)
         # Speculative modes write K+1 slots past the committed length each round.
         slack = spec.k + 2 if mode != "ar" else 1

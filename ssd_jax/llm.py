@@ -257,14 +257,18 @@ class LLM:
 
     @no_type_check
     def settings(self, mode: str | None = None, *, rows: int = 1,
-                 spec: SpecConfig | None = None) -> tuple[SpecConfig, dict | None]:
+                 spec: SpecConfig | None = None,
+                 sampling_params: SamplingParams | None = None) -> tuple[SpecConfig, dict | None]:
         """The speculation settings a call of `rows` rows would run with, resolved now (with
         automatic settings: chosen as that call would choose them), and their description (K,
         budget, backup, and when chosen the speed model's prediction). Passing the resolved
         SpecConfig as `spec=` pins them: automatic choices follow the pair's learnt acceptance
-        from call to call, so K may change between calls otherwise."""
+        from call to call, so K may change between calls otherwise. `sampling_params`: a
+        sampled call's settings (for them SSD also chooses Saguaro's C)."""
         mode, spec, _ = self._call(mode, spec, None)
-        return self.core.settings(mode, 1 << (rows - 1).bit_length(), spec)
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise TypeError("sampling_params must be a SamplingParams")
+        return self.core.settings(mode, 1 << (rows - 1).bit_length(), spec, sampling_params)
 
     @no_type_check
     def stream(self, prompt: Prompt, sampling_params: SamplingParams = SamplingParams(),

@@ -118,6 +118,19 @@ class WorkerPool:
         return StepCosts({int(t): s for t, s in target.items()},
                          {int(t): s for t, s in draft.items()})
 
+    def calibration_probs(self, tokens: list[int], temperature: float, top_k: int,
+                          top_p: float):
+        """Target and draft next-token probabilities over `tokens`, each from its worker."""
+        self.start()
+        msg = ("probs", dict(tokens=tokens, temperature=temperature, top_k=top_k, top_p=top_p))
+        try:
+            self.conns["target"].send(msg)
+            self.conns["draft"].send(msg)
+            return self._recv("target")[1], self._recv("draft")[1]
+        except BaseException:
+            self.close()
+            raise
+
     def run(self, request: dict):
         """Yields each chunk of new tokens; returns (via StopIteration.value) the metrics."""
         self.start()

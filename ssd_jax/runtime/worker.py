@@ -109,6 +109,9 @@ class _Server:
             if msg[0] == "costs":
                 self.conn.send(("costs", self.step_costs(**msg[1])))
                 continue
+            if msg[0] == "probs":
+                self.conn.send(("probs", self.probs(**msg[1])))
+                continue
             self.conn.send(self.run(msg[1]))
 
     def step_costs(self, rows: int, tokens) -> dict:
@@ -117,6 +120,13 @@ class _Server:
         from ssd_jax.autotune import time_scoring
         runner = self.target if self.role == "target" else self.draft
         return time_scoring(runner, rows, tokens)
+
+    def probs(self, tokens, temperature: float, top_k: int, top_p: float):
+        """This side's next-token probabilities over `tokens` (saguaro_curve)."""
+        from ssd_jax.saguaro_curve import teacher_forced_probs
+        if self.role == "target":
+            return teacher_forced_probs(self.target, tokens, temperature, top_k, top_p)
+        return teacher_forced_probs(self.draft, tokens, temperature, top_k, top_p, self.vocab)
 
     def run(self, req: dict):
         """One request: this side's loop of the mode, over the same core functions as the

@@ -1,0 +1,121 @@
+"""Saguaro's C in the speed model (ssd_jax/saguaro_curve.py): the fitted acceptance, recovery
+hit and bonus hit equal a simulation of the verification rule itself (draw s from q', accept
+with min(1, p/q'), else draw the recovery from max(0, p - q')); the chooser keeps C = 1 where
+it cannot help; the engine measures a curve once for a sampled run and chooses C with K."""
+import numpy as np
+import pytest
+
+from ssd_jax import autotune
+from ssd_jax.saguaro_curve import SaguaroCurve
+
+
+def _dists(rng, n, v, sharp):
+    logits = rng.normal(size=(n, v)) * sharp
+    e = np.exp(logits - logits.max(1, keepdims=True))
+    return e / e.sum(1, keepdims=True)
+
+
+def _simulate(p, q, c, f, draws, rng):
+    """Acceptance rate, hit rate of recoveries (in q's top-f) and of bonus tokens, by sampling
+    the rule position by position (numpy, written from the definitions)."""
+    accepted = rejected = forked = bonus = 0
+    for pn, qn in zip(p, q):
+        top = np.argsort(-qn, kind="stable")[:f]
+        qc = qn.copy()
+        qc[top] *= c
+        qc /= qc.sum()
+        s = rng.choice(len(qn), size=draws, p=qc)
+        ok = rng.random(draws) < np.minimum(1.0, pn[s] / qc[s])
+        accepted += ok.sum()
+        resid = np.maximum(pn - qc, 0)
+        rec = rng.choice(len(qn), size=(~ok).sum(), p=resid / resid.sum())
+        rejected += (~ok).sum()
+        forked += np.isin(rec, top).sum()
+        bonus += np.isin(rng.choice(len(pn), size=draws, p=pn), top).sum()
+    total = draws * len(p)
+    return accepted / total, forked / rejected, bonus / total
+
+
+@pytest.mark.parametrize("c,f", [(1.0, 2), (0.5, 1), (0.3, 3)])
+def test_curve_equals_a_simulation_of_the_rule(c, f):
+    rng = np.random.default_rng(0)
+    p, q = _dists(rng, 4, 9, 1.5), _dists(rng, 4, 9, 1.5)
+    curve = SaguaroCurve.fit(p, q, cs=(1.0, c), f_max=4)
+    i = curve.cs.index(c)
+    acc, rec, bonus = _simulate(p, q, c, f, 40_000, rng)
+    assert curve.alpha[i][f] == pytest.approx(acc, abs=0.01)
+    assert curve.rec[i][f] == pytest.approx(rec, abs=0.015)
+    assert curve.bonus[f] == pytest.approx(bonus, abs=0.01)
+    # C = 1 is no rescaling, whatever F; F = 0 likewise; fewer C, more mass on forked tokens.
+    assert curve.alpha[0][f] == pytest.approx(curve.alpha[0][0])
+    assert curve.alpha[i][0] == pytest.approx(curve.alpha[0][0])
+    if c < 1:
+        assert curve.rec[i][f] > curve.rec[0][f]
+
+
+def test_round_trip_and_a_perfect_draft_keeps_c_one():
+    rng = np.random.default_rng(1)
+    p = _dists(rng, 6, 12, 2.0)
+    curve = SaguaroCurve.fit(p, p)  # the draft is the target: every token accepted at C = 1
+    assert SaguaroCurve.from_dict(curve.to_dict()) == curve
+    assert curve.alpha[0][3] == pytest.approx(1.0)
+    costs = autotune.StepCosts({t: 0.1 * (1 + 0.2 * (t - 1)) for t in autotune.TARGET_TOKENS},
+                               {t: 0.03 * (1 + 0.1 * (t - 1)) for t in autotune.DRAFT_TOKENS})
+    choice = autotune.choose(costs, a=0.95, r=1.5, saguaro=curve)
+    assert choice.c == 1.0
+    # Greedy runs (no curve) carry no C; SD never does.
+    assert autotune.choose(costs, a=0.95, r=1.5).c is None
+    assert autotune.choose(costs, a=0.95, r=1.5, mode="sd", saguaro=curve).c is None
+
+
+def test_low_c_is_chosen_when_it_raises_the_hit_rate():
+    """Unrelated p and q: after a rejection the target rarely wants the draft's top tokens,
+    and lowering C moves the residual onto them (here without costing acceptance: q is the
+    more confident). The choice is the C of the highest predicted SSD tok/s, a low one."""
+    rng = np.random.default_rng(2)
+    p, q = _dists(rng, 32, 40, 1.0), _dists(rng, 32, 40, 1.0)
+    curve = SaguaroCurve.fit(p, q)
+    costs = autotune.StepCosts({t: 0.1 * (1 + 0.05 * (t - 1)) for t in autotune.TARGET_TOKENS},
+                               {t: 0.05 * (1 + 0.02 * (t - 1)) for t in autotune.DRAFT_TOKENS})
+    choice = autotune.choose(costs, a=0.6, r=1.5, saguaro=curve)
+    best = max(curve.cs, key=lambda c: autotune.predict(
+        costs, choice.k, choice.budget, a=0.6, r=1.5, batch=1, backup=choice.backup, c=c,
+        saguaro=curve)["ssd"])
+    assert choice.c == best < 1.0
+    assert curve.rec[curve.cs.index(best)][4] > curve.rec[0][4]
+
+
+def test_engine_measures_a_curve_for_sampled_runs_and_chooses_c(tiny_llama, tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import pre_tokenizers
+    from tokenizers.models import WordLevel
+    from ssd_jax import LLM, EngineConfig, SamplingParams
+    from ssd_jax.config import SpecConfig
+    from ssd_jax.loading import load
+    from ssd_jax.loading.tokenizer import Tokenizer
+    from tests.conftest import save_noisy_draft
+    save_noisy_draft(tiny_llama[1], tmp_path / "draft", scale=0.3)
+    backend = HFTokenizer(WordLevel({f"w{i}": i for i in range(128)}, unk_token="w3"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    llm = LLM(load(tiny_llama[0])[0], draft=load(tmp_path / "draft")[0],
+              tokenizer=Tokenizer(backend), cache_dir=tmp_path,
+              engine=EngineConfig(max_batch=1, max_seq_len=128, prefill_bucket=16,
+                                  driver="single"))
+    sampled = SamplingParams(temperature=0.8, seed=0)
+    spec, settings = llm.settings("ssd", sampling_params=sampled)
+    assert spec.c in autotune_cs() and settings["automatic"]
+    store = autotune.TuneStore(tmp_path / "autotune.json")
+    assert len(store._read()["saguaro"]) == 1  # measured once, cached per sampling settings
+    llm.settings("ssd", sampling_params=sampled)
+    assert len(store._read()["saguaro"]) == 1
+    assert llm.settings("ssd")[0].c == 1.0  # greedy: no Saguaro
+    assert llm.settings("ssd", spec=SpecConfig(c=0.5), sampling_params=sampled)[0].c == 0.5
+    assert llm.settings("ssd", spec=SpecConfig(k=2), sampling_params=sampled)[0].c == 1.0
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.8, seed=3, max_new_tokens=8,
+                                                   ignore_eos=True), mode="ssd")[0]
+    assert out.metrics.settings["c"] == spec.c and len(out.token_ids) == 8
+
+
+def autotune_cs():
+    from ssd_jax.saguaro_curve import C_CANDIDATES
+    return C_CANDIDATES
