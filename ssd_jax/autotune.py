@@ -109,30 +109,32 @@ def predict(costs: StepCosts, k: int, m: int, *, a: float, r: float, batch: int,
 
 
 def choose(costs: StepCosts, *, a: float = PRIOR_A, r: float = PRIOR_R, batch: int = 1,
-           mode: str = "ssd", saguaro=None) -> Choice:
+           mode: str = "ssd", saguaro=None, c: float | None = None) -> Choice:
     """The (K, M, backup and, with a sampled run's `saguaro` curve, C) with the highest
-    predicted tok/s for `mode` ("ssd" or "sd")."""
+    predicted tok/s for `mode` ("ssd" or "sd"). `c`: Saguaro's C given by the caller (the
+    curve then only predicts acceptance and hit rate at it)."""
     best = None
     k_max = max(t for t in costs.target) - 1
-    cs = saguaro.cs if saguaro is not None and mode == "ssd" else (1.0,)
-    for c in cs:
+    cs = ((c,) if c is not None else
+          saguaro.cs if saguaro is not None and mode == "ssd" else (1.0,))
+    for c_try in cs:
         for k in range(1, min(K_MAX, k_max) + 1):
             for m in range(k + 1, min(M_MAX, 4 * (k + 1)) + 1):
                 for backup in ("neural", "fast"):
-                    pred = predict(costs, k, m, a=a, r=r, batch=batch, backup=backup, c=c,
-                                   saguaro=saguaro)
+                    pred = predict(costs, k, m, a=a, r=r, batch=batch, backup=backup,
+                                   c=c_try, saguaro=saguaro)
                     score = pred[mode]
                     if best is None or score > best[0] + 1e-9:
-                        best = (score, k, m, backup, c, pred)
+                        best = (score, k, m, backup, c_try, pred)
                     if mode == "sd":
                         break  # SD has no branches or backup: one M per K
                 if mode == "sd":
                     break
-    _, k, m, backup, c, pred = best
+    _, k, m, backup, chosen_c, pred = best
     return Choice(k=k, budget=m, backup=backup, fanout=pred["fanout"],
                   hit_rate=pred["hit_rate"], tokens_per_round=pred["tokens_per_round"],
                   tok_s={x: pred[x] for x in ("ar", "sd", "ssd")}, a=a, r=r,
-                  c=c if saguaro is not None and mode == "ssd" else None)
+                  c=chosen_c if saguaro is not None and mode == "ssd" else None)
 
 
 def acceptance_from_rounds(hist) -> float | None:

@@ -410,9 +410,9 @@ class Engine:
             return replace(spec, backup=spec.backup_or_default, c=spec.c or 1.0), None
         pair = autotune.pair_key(*(p or "model" for p in self.paths))
         a, r = autotune.TuneStore(autotune.store_path(self.cache_dir)).acceptance(pair)
-        curve = self._saguaro(mode, sampling) if spec.c is None else None
+        curve = self._saguaro(mode, sampling)  # a sampled run's hit model, given C or not
         choice = autotune.choose(self._step_costs(mode, rows), a=a, r=r, batch=rows, mode=mode,
-                                 saguaro=curve)
+                                 saguaro=curve, c=spec.c)
         if choice != self._logged_choice:  # warmup and the run choose alike: say it once
             log.info("automatic settings (%s): %s", mode.upper(), choice.describe())
             self._logged_choice = choice
@@ -458,7 +458,7 @@ class Engine:
             return
         a = autotune.acceptance_from_rounds(metrics.accept_hist)
         s = metrics.settings or {}
-        if (s.get("c") or 1.0) != 1.0 and self._curve is not None and s["c"] in self._curve.cs:
+        if (s.get("c") or 1.0) != 1.0 and self._curve is not None:
             # A run at Saguaro's C < 1 accepts less by design: keep what C = 1 would accept
             # (the latest curve's ratio, over an even split of the run's branches).
             fan = [max(1, s["budget"] // (s["k"] + 1))] * (s["k"] + 1)

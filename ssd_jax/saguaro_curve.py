@@ -114,19 +114,24 @@ class SaguaroCurve:
     def _f(self, f) -> int:
         return int(min(max(int(f), 0), len(self.bonus) - 1))
 
+    def _at(self, table, c: float, f) -> float:
+        """table[C][F], linear in C between the measured constants (clamped outside them)."""
+        order = np.argsort(self.cs)
+        cs = np.asarray(self.cs)[order]
+        return float(np.interp(c, cs, [table[i][self._f(f)] for i in order]))
+
     def acceptance(self, a: float, c: float, fan) -> float:
-        """The learnt acceptance a (at C = 1) at C with this fan-out (mean over depths)."""
-        i = self.cs.index(c)
-        base = self.alpha[self.cs.index(1.0)][0] if 1.0 in self.cs else self.alpha[i][0]
-        ratio = np.mean([self.alpha[i][self._f(f)] for f in fan[:-1]]) / max(base, 1e-9)
+        """The learnt acceptance a (at C = 1, where no F rescales anything) at C with this
+        fan-out (mean over its depths)."""
+        ratio = (np.mean([self._at(self.alpha, c, f) for f in fan[:-1]])
+                 / max(self._at(self.alpha, 1.0, 0), 1e-9))
         return float(np.clip(a * ratio, 0.0, 0.999))
 
     def hit_rate(self, c: float, fan, a: float) -> float:
         """Per-round hit rate with fan-out F_0..F_K at acceptance a."""
         k = len(fan) - 1
         probs = geometric_probs(a, k)
-        i = self.cs.index(c)
-        hits = [self.rec[i][self._f(f)] for f in fan[:-1]] + [self.bonus[self._f(fan[-1])]]
+        hits = [self._at(self.rec, c, f) for f in fan[:-1]] + [self.bonus[self._f(fan[-1])]]
         return float((probs * np.asarray(hits)).sum())
 
     def to_dict(self) -> dict:
