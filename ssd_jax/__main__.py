@@ -124,6 +124,8 @@ def main(argv=None) -> int:
             line += f", cache hit rate {m.ssd.hit_rate:.2f}"
         if m.settings is not None:
             line += f"; K={m.settings['k']}, M={m.settings['budget']}, backup {m.settings['backup']}"
+            if args.mode == "ssd" and params.temperature > 0:
+                line += f", Saguaro C={m.settings['c']:g}"
             if m.settings.get("automatic"):
                 line += f" (chosen automatically, predicted {m.settings['predicted_tok_s']:.1f} tok/s)"
         print(f"{line} (compilation before the run: {compile_s:.1f}s)", file=sys.stderr)

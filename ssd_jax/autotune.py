@@ -19,6 +19,8 @@ theorem fan-out of M over the K+1 outcomes (fanout.py):
   core/glue.py), draft(K+1) after fast-backup guesses (with probability 1 - p_B)
   SSD tok/s = B E / (t_v [p_B max(1, t_build / t_v) + (1 - p_B)(1 + t_backup / t_v)])  (speed.py)
   SD tok/s  = B E / (K draft(1) + t_v),   AR tok/s = B / target(1)
+A sampled SSD run replaces the hit model (and scales a) with the pair's measured response to
+Saguaro's C (saguaro_curve.py), and C joins K, M and the backup in the search.
 """
 from __future__ import annotations
 

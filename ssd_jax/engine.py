@@ -424,8 +424,8 @@ class Engine:
         """How C moves acceptance and hit rate for this pair at these sampling settings
         (saguaro_curve.py), measured once and cached; None for greedy runs, for pairs without a
         tokenizer (no calibration text) and on a pod (not measured across processes: C = 1)."""
-        from ssd_jax.saguaro_curve import CALIBRATION_TEXT, POSITIONS, SaguaroCurve
-        from ssd_jax.saguaro_curve import teacher_forced_probs
+        from ssd_jax.saguaro_curve import CALIBRATION_PROMPT, POSITIONS, SaguaroCurve
+        from ssd_jax.saguaro_curve import sample_continuation, teacher_forced_probs
         if (mode != "ssd" or sampling is None or sampling.temperature == 0
                 or self.tokenizer is None or self.pod is not None):
             return None
@@ -437,12 +437,19 @@ class Engine:
         if curve is None:
             log.info("measuring how Saguaro's C moves acceptance and hit rate (T=%g; once per "
                      "pair and sampling settings) ...", t)
-            tokens = self.tokenizer.encode(CALIBRATION_TEXT)[:POSITIONS]
+            tok = self.tokenizer
+            text = (tok.apply_chat_template([{"role": "user", "content": CALIBRATION_PROMPT}])
+                    if tok.chat_template else CALIBRATION_PROMPT)
+            ids = tok.encode(text, add_special_tokens=not tok.chat_template)
             if self.driver(mode) == "processes":
-                p, q = self._workers().calibration_probs(tokens, t, top_k, top_p)
+                p, q = self._workers().calibration_probs(ids, POSITIONS, t, top_k, top_p)
             else:
-                p = teacher_forced_probs(self.runner, tokens, t, top_k, top_p)
-                q = teacher_forced_probs(self.draft_runner, tokens, t, top_k, top_p, self.vocab)
+                more = sample_continuation(self.runner, ids, t, top_k, top_p, POSITIONS,
+                                           self.split and self.split.target_replicated)
+                p = teacher_forced_probs(self.runner, ids + more, t, top_k, top_p,
+                                         last=len(more))
+                q = teacher_forced_probs(self.draft_runner, ids + more, t, top_k, top_p,
+                                         self.vocab, last=len(more))
             curve = SaguaroCurve.fit(p, q)
             store.save_saguaro(key, curve)
         self._curve = curve

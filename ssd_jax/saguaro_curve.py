@@ -5,9 +5,10 @@ At temperature > 0 a rejected position's recovery token is drawn from norm(max(0
 where the draft put little mass, so the cache's top-F forks tend to miss. Saguaro draws the
 speculation from q' = q with its top-F probabilities scaled by C, renormalised: the residual
 moves onto the forked tokens (more hits) at some cost in acceptance. Both effects depend on p
-and q, so they are measured on them: the target and the draft each score the same text
-(teacher-forced, CALIBRATION_TEXT, processed with the run's temperature, top-k and top-p), and
-per position n, C and F (the fork count at a depth):
+and q, so they are measured on them: the target samples a continuation of CALIBRATION_PROMPT
+at the run's temperature, top-k and top-p (the tokens a run at these settings would make), then
+the target and the draft each score it (teacher-forced), and per position n of the
+continuation, C and F (the fork count at a depth):
 
   alpha(C, F)  = sum_x min(p, q')                         acceptance of one speculated token
   rec(C, F)    = sum_{x in top-F(q)} max(0, p - q') / sum_n (1 - alpha)
@@ -18,7 +19,9 @@ per position n, C and F (the fork count at a depth):
 has p(s) > q'(s), so the recovery is never the speculated token itself, which the forks skip.
 The engine's learnt acceptance a (from real runs, at C = 1) is scaled by alpha(C)/alpha(1),
 and the per-round hit rate is sum_{k<K} P(k) rec(C, F_k) + P(K) bonus(F_K) (autotune.predict).
-The text is a stand-in for the run's own tokens: a teacher-forced fit, said so in the README.
+One prompt's continuation stands in for the run's own tokens (said so in the README). A first
+version scored a fixed text instead; on the Qwen pair at T = 0.7 it over-valued low C (chose
+C = 0.2, which a measured sweep put 5% below C = 1).
 """
 from __future__ import annotations
 
@@ -30,26 +33,35 @@ from ssd_jax.core.fanout import geometric_probs
 
 C_CANDIDATES = (1.0, 0.8, 0.6, 0.4, 0.2)
 F_MAX = 16  # fork counts above this are treated as F_MAX (their marginal effect is small)
-POSITIONS = 48  # calibration tokens scored by each model
-CALIBRATION_TEXT = """def merge_sorted(a, b):
-    \"\"\"Merge two sorted lists into one sorted list.\"\"\"
-    out, i, j = [], 0, 0
-    while i < len(a) and j < len(b):
-        if a[i] <= b[j]:
-            out.append(a[i]); i += 1
-        else:
-            out.append(b[j]); j += 1
-    return out + a[i:] + b[j:]
+POSITIONS = 64  # tokens of the target's continuation, scored by each model
+CALIBRATION_PROMPT = ("Write a Python function that merges two sorted lists into one sorted "
+                      "list, then explain in two sentences why it runs in linear time.")
 
-The function walks both lists once, so it runs in linear time. To test it, merge two short
-lists and compare the result with sorted() on their concatenation."""
+
+def sample_continuation(runner, ids: list[int], temperature: float, top_k: int, top_p: float,
+                        n: int = POSITIONS, sharding=None) -> list[int]:
+    """`n` tokens the target samples after `ids` at these settings (seed 0)."""
+    from ssd_jax.config import SamplingParams
+    from ssd_jax.core.batch import make_batch, round_up
+    from ssd_jax.core.metrics import RunMetrics
+    from ssd_jax.core.rounds import TargetSide, ar_loop
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                            max_new_tokens=n, seed=0, ignore_eos=True)
+    batch = make_batch([ids], [params], [[]], 64)
+    side = TargetSide(runner, batch.place(sharding),
+                      runner.new_cache(batch.size, round_up(len(ids) + n + 2, 256)))
+    out: list[int] = []
+    for chunk in ar_loop(side, RunMetrics("ar", 1), 8):
+        out += chunk[0]
+    return out[:n]
 
 
 def teacher_forced_probs(runner, tokens: list[int], temperature: float, top_k: int,
-                         top_p: float, vocab=None) -> np.ndarray:
+                         top_p: float, vocab=None, last: int | None = None) -> np.ndarray:
     """[N, V_target] next-token probabilities of `runner`'s model at each position of
-    `tokens`, processed as a run at these settings processes them. `vocab`: the draft's map
-    (its proposals are drawn over its own columns, then named in target ids)."""
+    `tokens`, processed as a run at these settings processes them (`last`: only the last N
+    positions' predictions, those of a continuation's tokens). `vocab`: the draft's map (its
+    proposals are drawn over its own columns, then named in target ids)."""
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -70,7 +82,7 @@ def teacher_forced_probs(runner, tokens: list[int], temperature: float, top_k: i
                           jnp.full((1,), top_p))
     if vocab is not None:
         probs = vocab.target_probs(probs)
-    return np.asarray(probs[0], np.float64)
+    return np.asarray(probs[0] if last is None else probs[0, n - 1 - last:n - 1], np.float32)
 
 
 @dataclass(frozen=True)

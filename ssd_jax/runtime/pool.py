@@ -118,15 +118,17 @@ class WorkerPool:
         return StepCosts({int(t): s for t, s in target.items()},
                          {int(t): s for t, s in draft.items()})
 
-    def calibration_probs(self, tokens: list[int], temperature: float, top_k: int,
+    def calibration_probs(self, prompt: list[int], n: int, temperature: float, top_k: int,
                           top_p: float):
-        """Target and draft next-token probabilities over `tokens`, each from its worker."""
+        """saguaro_curve's calibration: the target worker samples `n` tokens after `prompt`
+        and gives its probabilities for them, then the draft worker its own for the same."""
         self.start()
-        msg = ("probs", dict(tokens=tokens, temperature=temperature, top_k=top_k, top_p=top_p))
+        kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, last=n)
         try:
-            self.conns["target"].send(msg)
-            self.conns["draft"].send(msg)
-            return self._recv("target")[1], self._recv("draft")[1]
+            self.conns["target"].send(("probs", dict(tokens=prompt, **kw)))
+            more, p = self._recv("target")[1]
+            self.conns["draft"].send(("probs", dict(tokens=prompt + more, **kw)))
+            return p, self._recv("draft")[1]
         except BaseException:
             self.close()
             raise

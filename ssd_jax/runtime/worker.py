@@ -121,12 +121,18 @@ class _Server:
         runner = self.target if self.role == "target" else self.draft
         return time_scoring(runner, rows, tokens)
 
-    def probs(self, tokens, temperature: float, top_k: int, top_p: float):
-        """This side's next-token probabilities over `tokens` (saguaro_curve)."""
-        from ssd_jax.saguaro_curve import teacher_forced_probs
+    def probs(self, tokens, temperature: float, top_k: int, top_p: float, last: int | None):
+        """saguaro_curve's calibration. The target: sample `last` tokens after `tokens`, return
+        them and its probabilities for them; the draft: its probabilities for the last `last`
+        tokens of `tokens`."""
+        from ssd_jax.saguaro_curve import sample_continuation, teacher_forced_probs
         if self.role == "target":
-            return teacher_forced_probs(self.target, tokens, temperature, top_k, top_p)
-        return teacher_forced_probs(self.draft, tokens, temperature, top_k, top_p, self.vocab)
+            more = sample_continuation(self.target, tokens, temperature, top_k, top_p, last,
+                                       self.replicated)
+            return more, teacher_forced_probs(self.target, tokens + more, temperature, top_k,
+                                              top_p, last=len(more))
+        return teacher_forced_probs(self.draft, tokens, temperature, top_k, top_p, self.vocab,
+                                    last=last)
 
     def run(self, req: dict):
         """One request: this side's loop of the mode, over the same core functions as the
