@@ -23,6 +23,16 @@ DEFAULT_TARGET, DEFAULT_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 DEFAULT_PROMPT = "Write a Python function that reverses a linked list."
 
 
+def parse_mesh(text: str | None) -> tuple[int, ...] | None:
+    """--mesh NT,ND -> (NT, ND); None when not given."""
+    if not text:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--mesh {text!r}: give two integers, e.g. --mesh 4,1") from None
+
+
 def quiet_logging() -> None:
     """Status lines on stderr through `logging`; library chatter (absl, XLA) kept out."""
     logging.basicConfig(level=logging.WARNING, format="[ssd_jax] %(message)s", stream=sys.stderr,
@@ -81,12 +91,7 @@ def main(argv=None) -> int:
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         spec_kw = dict(budget=args.budget, fanout=args.fanout, backup=args.backup, c=args.c)
         spec = SpecConfig(k=args.k, **spec_kw)
-        mesh = None
-        if args.mesh:
-            try:
-                mesh = tuple(int(x) for x in args.mesh.split(","))
-            except ValueError:
-                raise ValueError(f"--mesh {args.mesh!r}: give two integers, e.g. --mesh 4,1")
+        mesh = parse_mesh(args.mesh)
         # AR needs no draft, except that worker processes always start both models.
         need_draft = args.mode != "ar" or args.driver == "processes"
         compare = args.compare and args.mode != "ar"

@@ -34,7 +34,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    from ssd_jax.__main__ import quiet_logging
+    from ssd_jax.__main__ import parse_mesh, quiet_logging
     quiet_logging()
     for flag, v in (("--slots", args.slots), ("--max-queue", args.max_queue),
                     ("--port", args.port + 1)):
@@ -50,12 +50,7 @@ def main(argv=None) -> int:
     draft = None if args.draft in ("none", "") or args.mode == "ar" else args.draft
     try:
         distributed.initialize()  # a pod: join the job before anything touches a device
-        mesh = None
-        if args.mesh:
-            try:
-                mesh = tuple(int(x) for x in args.mesh.split(","))
-            except ValueError:
-                raise ValueError(f"--mesh {args.mesh!r}: give two integers, e.g. --mesh 4,1")
+        mesh = parse_mesh(args.mesh)
         spec = SpecConfig(k=args.k, budget=args.budget)
         llm = LLM(args.model, draft=draft, dtype=args.dtype, spec=spec, engine=EngineConfig(
             max_batch=args.slots, max_seq_len=args.max_seq_len, driver="single", mesh=mesh,
