@@ -85,11 +85,16 @@ def hit_rate(a: float, r: float, fan: np.ndarray) -> float:
     return float((p_k * hit).sum())
 
 
+def _tokens_per_round(a: float, k: int) -> float:
+    """E = sum_k P(k) (k + 1) under the capped-geometric accept-length law."""
+    return float((geometric_probs(a, k) * (np.arange(k + 1) + 1)).sum())
+
+
 def predict(costs: StepCosts, k: int, m: int, *, a: float, r: float, batch: int,
             backup: str = "neural", c: float = 1.0, saguaro=None) -> dict:
     """`saguaro`: a sampled run's saguaro_curve.SaguaroCurve, which gives acceptance and hit
     rate at Saguaro's C (None: greedy, the power-law hit model above)."""
-    e_sd = float((geometric_probs(a, k) * (np.arange(k + 1) + 1)).sum())  # SD: no Saguaro
+    e_sd = _tokens_per_round(a, k)  # SD has no Saguaro: its acceptance is a
     fan = FanoutModel("geometric", k, m, a=a, r=r).primary()
     if saguaro is None:
         p = hit_rate(a, r, fan)
@@ -97,7 +102,7 @@ def predict(costs: StepCosts, k: int, m: int, *, a: float, r: float, batch: int,
         a = saguaro.acceptance(a, c, fan)
         fan = FanoutModel("geometric", k, m, a=a, r=r).primary()
         p = saguaro.hit_rate(c, fan, a)
-    e = float((geometric_probs(a, k) * (np.arange(k + 1) + 1)).sum())
+    e = _tokens_per_round(a, k)
     t_v = costs.target[k + 1]
     known = 1.0 if backup == "neural" else p ** batch  # the glue's prefix is known (glue.py)
     glue = known * costs.draft_at(1) + (1 - known) * costs.draft_at(k + 1)

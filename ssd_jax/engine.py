@@ -425,7 +425,7 @@ class Engine:
         (saguaro_curve.py), measured once and cached; None for greedy runs, for pairs without a
         tokenizer (no calibration text) and on a pod (not measured across processes: C = 1)."""
         from ssd_jax.saguaro_curve import CALIBRATION_PROMPT, POSITIONS, SaguaroCurve
-        from ssd_jax.saguaro_curve import sample_continuation, teacher_forced_probs
+        from ssd_jax.saguaro_curve import target_calibration, teacher_forced_probs
         if (mode != "ssd" or sampling is None or sampling.temperature == 0
                 or self.tokenizer is None or self.pod is not None):
             return None
@@ -444,10 +444,8 @@ class Engine:
             if self.driver(mode) == "processes":
                 p, q = self._workers().calibration_probs(ids, POSITIONS, t, top_k, top_p)
             else:
-                more = sample_continuation(self.runner, ids, t, top_k, top_p, POSITIONS,
-                                           self.split and self.split.target_replicated)
-                p = teacher_forced_probs(self.runner, ids + more, t, top_k, top_p,
-                                         last=len(more))
+                more, p = target_calibration(self.runner, ids, t, top_k, top_p, POSITIONS,
+                                             self.split and self.split.target_replicated)
                 q = teacher_forced_probs(self.draft_runner, ids + more, t, top_k, top_p,
                                          self.vocab, last=len(more))
             curve = SaguaroCurve.fit(p, q)

@@ -56,6 +56,17 @@ def sample_continuation(runner, ids: list[int], temperature: float, top_k: int, 
     return out[:n]
 
 
+def target_calibration(runner, prompt: list[int], temperature: float, top_k: int,
+                       top_p: float, n: int = POSITIONS, sharding=None
+                       ) -> tuple[list[int], np.ndarray]:
+    """The target's side of a calibration: `n` tokens it samples after `prompt`, and its
+    probabilities for them ([n, V]). The draft then scores prompt + those tokens
+    (teacher_forced_probs with its vocab map and last=n)."""
+    more = sample_continuation(runner, prompt, temperature, top_k, top_p, n, sharding)
+    return more, teacher_forced_probs(runner, prompt + more, temperature, top_k, top_p,
+                                      last=len(more))
+
+
 def teacher_forced_probs(runner, tokens: list[int], temperature: float, top_k: int,
                          top_p: float, vocab=None, last: int | None = None) -> np.ndarray:
     """[N, V_target] next-token probabilities of `runner`'s model at each position of

@@ -9,6 +9,7 @@ user-facing entry points that check their own arguments with errors naming the f
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from jaxtyping import install_import_hook
 
@@ -74,6 +75,21 @@ def make_hf_model(path, arch: str, seed: int = 0, **overrides):
     model.eval()
     model.save_pretrained(path, safe_serialization=True)
     return model
+
+
+def with_word_tokenizer(src: Path, dst: Path) -> Path:
+    """A copy of a tiny HF model with a tokenizer whose tokens are the words "w<id>" (the
+    server needs text; one word per token makes text comparisons token comparisons)."""
+    import json
+    import shutil
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import WordLevel
+    shutil.copytree(src, dst)
+    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+    tok = Tokenizer(WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece()
+    tok.save(str(dst / "tokenizer.json"))
+    return dst
 
 
 def save_noisy_draft(hf_model, path, *, scale: float = 0.02, seed: int = 1):

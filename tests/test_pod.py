@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ import pytest
 
 from ssd_jax import LLM, EngineConfig, SamplingParams
 from ssd_jax.config import SpecConfig
-from tests.conftest import save_noisy_draft
+from tests.conftest import save_noisy_draft, with_word_tokenizer
 from tests.pod_job import (PROMPTS, SAMPLED_SEEDS, SECOND, SERVE_GREEDY, SERVE_SAMPLED,
                            SERVE_SLOTS)
 
@@ -37,24 +36,11 @@ SAMPLED = [SamplingParams(max_new_tokens=16, temperature=1.0, seed=s, ignore_eos
            for s in SAMPLED_SEEDS]
 
 
-def _with_word_tokenizer(src: Path, dst: Path) -> Path:
-    """A copy of a tiny HF model with a tokenizer whose tokens are the words "w<id>" (the
-    server needs text; one word per token makes text comparisons token comparisons)."""
-    from tokenizers import Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import WordLevel
-    shutil.copytree(src, dst)
-    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
-    tok = Tokenizer(WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece()
-    tok.save(str(dst / "tokenizer.json"))
-    return dst
-
-
 @pytest.fixture(scope="module")
 def pair(tiny_llama, tmp_path_factory):
     path = tmp_path_factory.mktemp("pod_draft")
     save_noisy_draft(tiny_llama[1], path)
-    target = _with_word_tokenizer(tiny_llama[0], tmp_path_factory.mktemp("pod") / "target")
+    target = with_word_tokenizer(tiny_llama[0], tmp_path_factory.mktemp("pod") / "target")
     return str(target), str(path)
 
 

@@ -119,3 +119,26 @@ def test_engine_measures_a_curve_for_sampled_runs_and_chooses_c(tiny_llama, tmp_
 def autotune_cs():
     from ssd_jax.saguaro_curve import C_CANDIDATES
     return C_CANDIDATES
+
+
+def test_worker_processes_calibrate_as_one_process_does(tiny_llama, tmp_path):
+    """The processes driver splits the calibration over its workers (the target samples and
+    scores, then the draft scores the target's tokens): the curve equals one process's."""
+    from ssd_jax import LLM, EngineConfig, SamplingParams
+    from tests.conftest import save_noisy_draft, with_word_tokenizer
+    target = with_word_tokenizer(tiny_llama[0], tmp_path / "target")
+    save_noisy_draft(tiny_llama[1], tmp_path / "draft", scale=0.3)
+    sampled = SamplingParams(temperature=0.8, top_p=0.95, seed=0)
+    curves = []
+    for driver in ("single", "processes"):
+        with LLM(str(target), draft=str(tmp_path / "draft"), cache_dir=tmp_path / driver,
+                 progress=False, engine=EngineConfig(max_batch=1, max_seq_len=128,
+                                                     prefill_bucket=16, driver=driver)) as llm:
+            assert llm.driver("ssd") == driver
+            llm.settings("ssd", sampling_params=sampled)
+            curves.append(llm.core._curve)
+    one, workers = curves
+    assert one.cs == workers.cs
+    for field in ("alpha", "rec", "bonus"):
+        np.testing.assert_allclose(np.asarray(getattr(one, field)),
+                                   np.asarray(getattr(workers, field)), atol=1e-4)

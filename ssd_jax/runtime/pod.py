@@ -229,7 +229,7 @@ class Stream:
     exchange (a server's live batch: every join, leave and round), read in order.
 
     A server makes one message per round for as long as it runs, so the lead deletes each
-    message KEEP messages later. That is safe because a reader is never that far behind: each
+    message `keep` messages later (KEEP by default; pod_live.keep_for sizes it for a batch). That is safe because a reader is never that far behind: each
     round is a collective of every reader with the lead, so the lead cannot finish round n
     (and publish past it) before each reader has read message n, and between rounds the lead
     publishes at most one join or leave per slot."""

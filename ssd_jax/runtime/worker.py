@@ -125,12 +125,10 @@ class _Server:
         """saguaro_curve's calibration. The target: sample `last` tokens after `tokens`, return
         them and its probabilities for them; the draft: its probabilities for the last `last`
         tokens of `tokens`."""
-        from ssd_jax.saguaro_curve import sample_continuation, teacher_forced_probs
+        from ssd_jax.saguaro_curve import target_calibration, teacher_forced_probs
         if self.role == "target":
-            more = sample_continuation(self.target, tokens, temperature, top_k, top_p, last,
-                                       self.replicated)
-            return more, teacher_forced_probs(self.target, tokens + more, temperature, top_k,
-                                              top_p, last=len(more))
+            return target_calibration(self.target, tokens, temperature, top_k, top_p, last,
+                                      self.replicated)
         return teacher_forced_probs(self.draft, tokens, temperature, top_k, top_p, self.vocab,
                                     last=last)
 
