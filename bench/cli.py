@@ -352,6 +352,8 @@ def _plan(argv) -> int:
 
 
 def main(argv=None) -> int:
+    from ssd_jax.xla_cpu import prefer_wide_vectors
+    prefer_wide_vectors()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plan"]:
         return _plan(argv[1:])

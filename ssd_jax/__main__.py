@@ -17,6 +17,7 @@ import sys
 from ssd_jax import LLM, EngineConfig, SamplingParams
 from ssd_jax.runtime import distributed
 from ssd_jax.config import SpecConfig
+from ssd_jax.xla_cpu import prefer_wide_vectors
 
 
 DEFAULT_TARGET, DEFAULT_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
@@ -49,6 +50,7 @@ def _cli_words(e: Exception) -> str:
 
 
 def main(argv=None) -> int:
+    prefer_wide_vectors()
     ap = argparse.ArgumentParser(prog="python -m ssd_jax", description=__doc__.split("\n")[0])
     ap.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     ap.add_argument("--model", default=DEFAULT_TARGET,

@@ -21,6 +21,7 @@ import threading
 import time
 
 from ssd_jax.runtime.procs import die_with_parent, free_port
+from ssd_jax.xla_cpu import with_device_count
 
 
 def _pump(i: int, stream, out) -> None:
@@ -63,10 +64,8 @@ def main(argv=None) -> int:
                    SSD_JAX_NUM_PROCESSES=str(args.processes), SSD_JAX_PROCESS_ID=str(i),
                    PYTHONUNBUFFERED="1")
         if args.devices_per_process:
-            flags = [f for f in env.get("XLA_FLAGS", "").split()
-                     if not f.startswith("--xla_force_host_platform_device_count")]
-            env["XLA_FLAGS"] = " ".join(flags + [
-                f"--xla_force_host_platform_device_count={args.devices_per_process}"])
+            env["XLA_FLAGS"] = with_device_count(env.get("XLA_FLAGS", ""),
+                                                 args.devices_per_process)
             env.setdefault("JAX_PLATFORMS", "cpu")
         p = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, preexec_fn=die_with_parent)

@@ -20,6 +20,7 @@ from multiprocessing.connection import Listener
 
 from ssd_jax.core.metrics import SSDStats, metrics_from_dict
 from ssd_jax.runtime.procs import free_port
+from ssd_jax.xla_cpu import with_device_count
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +55,8 @@ class WorkerPool:
         address = "%s:%d" % listener.address
         coordinator = f"127.0.0.1:{free_port()}"
         env = dict(os.environ, SSD_JAX_WORKER_KEY=key, JAX_PLATFORMS="cpu")
-        env.pop("XLA_FLAGS", None)  # one CPU device per worker process, unless asked
-        if self.devices_per_worker > 1:
-            env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count="
-                                f"{self.devices_per_worker}")
+        # One CPU device per worker process unless asked; the user's other XLA flags pass on.
+        env["XLA_FLAGS"] = with_device_count(env.get("XLA_FLAGS", ""), self.devices_per_worker)
         log.info("starting the target and draft worker processes (cores %s); they load the "
                  "models (a minute or two for a 1.5B pair) ...", self.cores)
         atexit.register(self.close)

@@ -17,6 +17,7 @@ import sys
 import traceback
 
 from ssd_jax.runtime.procs import die_with_parent
+from ssd_jax.xla_cpu import prefer_wide_vectors
 
 
 def main(argv=None) -> int:
@@ -31,6 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-vocab", type=int, default=None)
     args = ap.parse_args(argv)
     die_with_parent()
+    prefer_wide_vectors()  # before JAX starts its backend
     if args.core is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {args.core})
     from multiprocessing.connection import Client

@@ -35,6 +35,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     from ssd_jax.__main__ import parse_mesh, quiet_logging
+    from ssd_jax.xla_cpu import prefer_wide_vectors
+    prefer_wide_vectors()
     quiet_logging()
     for flag, v in (("--slots", args.slots), ("--max-queue", args.max_queue),
                     ("--port", args.port + 1)):
