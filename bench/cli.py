@@ -142,7 +142,8 @@ def machine() -> dict:
     devices = ", ".join(f"{c}x {k}" for k, c in n.items())
     return dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
                 cpu_count=os.cpu_count(), usable_cores=len(os.sched_getaffinity(0)),
-                devices=devices, versions=versions, date=time.strftime("%Y-%m-%d %H:%M"))
+                devices=devices, versions=versions, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                date=time.strftime("%Y-%m-%d %H:%M"))
 
 
 def run(args, argv) -> dict:

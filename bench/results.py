@@ -169,7 +169,8 @@ def machine_line(results: dict) -> str:
     split = f"target {split[0]} / draft {split[1]} devices" if split else "default placement"
     return (f"{m['platform']} ({m['processor']}), {m['cpu_count']} CPU cores "
             f"({m['usable_cores']} usable), JAX devices: {m['devices']}; driver "
-            f"{cfg['driver']}, {split}; {vers}; {m['date']}.")
+            f"{cfg['driver']}, {split}; {vers}; XLA_FLAGS {m.get('xla_flags') or '(none)'}; "
+            f"{m['date']}.")
 
 
 def section(results: dict, plot_dir: str | None = None) -> str:
