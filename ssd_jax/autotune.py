@@ -191,8 +191,13 @@ def time_scoring(runner, batch: int, token_counts, *, prefix: int = 128, reps: i
 
 # ------------------------------------------------------------------ the cache file
 def cache_key(target: str, draft: str, batch: int, dtype: str, split: str) -> str:
+    """Costs are per machine, software and XLA flags (the vector width alone moves a decode
+    step by 16%); the device count is in `split`."""
     import jax
-    machine = f"{platform.machine()} {platform.processor()} {os.cpu_count()} {jax.__version__}"
+    from ssd_jax.xla_cpu import with_device_count
+    flags = with_device_count(os.environ.get("XLA_FLAGS", ""), None)
+    machine = (f"{platform.machine()} {platform.processor()} {os.cpu_count()} {jax.__version__}"
+               f" {flags}")
     return hashlib.sha1(f"{machine}|{target}|{draft}|{batch}|{dtype}|{split}".encode()
                         ).hexdigest()[:16]
 

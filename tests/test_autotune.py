@@ -112,3 +112,16 @@ def test_engine_chooses_settings_and_stays_exact(tiny_llama, tmp_path):
         llm.core.learn("ssd", m)
         got = store.acceptance("model|model")[0]
         assert got == pytest.approx(0.2 + weight * (0.98 - 0.2), abs=1e-6)
+
+
+def test_cached_costs_are_per_xla_flags_but_not_per_device_count(monkeypatch):
+    """A vector-width flag changes step costs, so it changes the cache key; the CPU device
+    count is part of the split already and must not split the cache."""
+    key = lambda: autotune.cache_key("t", "d", 1, "float32", "processes")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_prefer_vector_width=512")
+    wide = key()
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_prefer_vector_width=512 "
+                       "--xla_force_host_platform_device_count=4")
+    assert key() == wide
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_prefer_vector_width=256")
+    assert key() != wide
