@@ -25,7 +25,7 @@ def has_avx512(cpuinfo: str | None = None) -> bool:
                 cpuinfo = f.read()
         except OSError:
             return False
-    return any(line.startswith("flags") and " avx512f" in line
+    return any(line.startswith("flags") and "avx512f" in line.split()
                for line in cpuinfo.splitlines())
 
 

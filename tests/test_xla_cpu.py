@@ -10,6 +10,7 @@ def test_avx512_is_read_from_the_flags_line():
     assert has_avx512(AVX512)
     assert not has_avx512(AVX2)
     assert not has_avx512("model name\t: avx512f in a name\n")
+    assert not has_avx512("flags\t\t: avx2 avx512_vnni\n")
 
 
 def test_wide_vectors_are_added_after_the_users_flags():
