@@ -6,15 +6,18 @@ Costs are measured once per (machine, pair, batch, dtype), on the devices each s
 run), and cached as JSON beside the models:
   target(T): the target scoring T new tokens per row after a prefix (T = 1 .. K_MAX + 1);
   draft(T):  the draft's forward of T new tokens per row (the glue scores K+1, a tree step M).
-Acceptance a (and the miss exponent r of the fan-out fit) come from this pair's earlier runs,
-stored in the same file; priors until then.
+Acceptance a and the hit model's miss exponent r come from this pair's earlier runs (r from
+greedy SSD runs' hit rates, miss_exponent), stored in the same file; priors until then. SSD
+runs also say how much slower verification and the build run beside each other than alone
+(StepCosts.verify_overlap, build_overlap), kept with the step costs.
 
 For each (K, M), with P(k) the capped-geometric accept-length law in a and F the engine's
 theorem fan-out of M over the K+1 outcomes (fanout.py):
   hit after k < K rejections-at-k: 1 - (F_k + 1)^-r (the recovery token is never the draft's
   top-1, so F_k forks cover ranks 2..F_k+1); after all K accepted: 1 - (1 - a) F_K^-r
   p = sum_k P(k) hit(k),  E = sum_k P(k) (k + 1) tokens per round
-  t_v = target(K+1),  t_build = glue + K draft(M),  t_backup = K draft(1)
+  t_v = target(K+1) verify_overlap,  t_build = (glue + K draft(M)) build_overlap,
+  t_backup = K draft(1)
   glue = draft(1) when the speculation came out of the draft (a hit, or the neural backup:
   core/glue.py), draft(K+1) after fast-backup guesses (with probability 1 - p_B)
   SSD tok/s = B E / (t_v [p_B max(1, t_build / t_v) + (1 - p_B)(1 + t_backup / t_v)])  (speed.py)
@@ -29,6 +32,7 @@ import json
 import os
 import platform
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -49,6 +53,14 @@ FAST_E_MISS = 1.2  # tokens per round after an n-gram guess (rarely accepted)
 class StepCosts:
     target: dict  # T -> seconds (target scores T tokens per row)
     draft: dict  # T -> seconds (draft forward over T tokens per row)
+    # SSD's rounds run verification and the cache build at the same time: on a CPU they share
+    # memory bandwidth, and each runs slower than the step costs timed at start-up say (the
+    # Qwen pair: verification 1.27x, the build 1.13x). Learnt from SSD runs; 1 until then.
+    verify_overlap: float = 1.0
+    build_overlap: float = 1.0
+    # SD's K draft steps in a round against K draft(1): the step costs time a forward alone,
+    # a round also samples, checks and dispatches each step (the Qwen pair: 1.15x).
+    sd_draft_scale: float = 1.0
 
     def draft_at(self, t: int) -> float:
         """Linear between measured token counts (forward cost grows ~linearly in T here)."""
@@ -68,6 +80,7 @@ class Choice:
     a: float
     r: float
     c: float | None = None  # Saguaro's C, chosen for a sampled SSD run (None: greedy, C = 1)
+    overlap: tuple = (1.0, 1.0)  # the costs' (verify_overlap, build_overlap) it assumed
 
     def describe(self) -> str:
         saguaro = "" if self.c is None else f", Saguaro C={self.c:g}"
@@ -103,16 +116,56 @@ def predict(costs: StepCosts, k: int, m: int, *, a: float, r: float, batch: int,
         fan = FanoutModel("geometric", k, m, a=a, r=r).primary()
         p = saguaro.hit_rate(c, fan, a)
     e = _tokens_per_round(a, k)
-    t_v = costs.target[k + 1]
-    known = 1.0 if backup == "neural" else p ** batch  # the glue's prefix is known (glue.py)
-    glue = known * costs.draft_at(1) + (1 - known) * costs.draft_at(k + 1)
-    t_build = glue + k * costs.draft_at(m)
-    t_backup = k * costs.draft_at(1) if backup == "neural" else 0.0
+    t_v = costs.target[k + 1] * costs.verify_overlap
+    t_build = build_seconds(costs, k, m, backup, p ** batch) * costs.build_overlap
+    t_backup = k * costs.draft_at(1) if backup == "neural" else 0.0  # the target waits: alone
     e_miss = e if backup == "neural" else FAST_E_MISS
     speedup = ssd_speedup(p, p ** batch, e, e_miss, t_build / t_v, t_backup / t_v)
     return dict(hit_rate=p, tokens_per_round=e, fanout=[int(x) for x in fan], a=a,
-                ssd=batch * speedup / t_v, sd=batch * e_sd / (k * costs.draft_at(1) + t_v),
+                ssd=batch * speedup / t_v,
+                sd=batch * e_sd / (k * costs.draft_at(1) * costs.sd_draft_scale
+                                   + costs.target[k + 1]),
                 ar=batch / costs.target[1])
+
+
+def build_seconds(costs: StepCosts, k: int, m: int, backup: str, p_all: float) -> float:
+    """The cache build as the step costs time it: the glue, then K tree steps over M branches.
+    The glue's prefix is known (glue.py) after the neural backup or a hit (p_all: the chance
+    every row hit)."""
+    known = 1.0 if backup == "neural" else p_all
+    glue = known * costs.draft_at(1) + (1 - known) * costs.draft_at(k + 1)
+    return glue + k * costs.draft_at(m)
+
+
+def overlap_of_run(costs: StepCosts, k: int, m: int, backup: str, p_all: float,
+                   verify_rounds: Sequence[float], build_rounds: Sequence[float]
+                   ) -> tuple[float, float] | None:
+    """(verification, build) per round in an SSD run, as multiples of what the step costs
+    predict alone: medians over rounds (a compile or a pause lands in one round only)."""
+    if len(verify_rounds) < 8 or len(build_rounds) < 8:
+        return None
+    v = float(np.median(verify_rounds)) / costs.target[k + 1]
+    b = float(np.median(build_rounds)) / build_seconds(costs, k, m, backup, p_all)
+    return float(np.clip(v, 0.5, 3.0)), float(np.clip(b, 0.5, 3.0))
+
+
+def sd_draft_scale_of_run(costs: StepCosts, k: int, draft_rounds: Sequence[float]
+                          ) -> float | None:
+    """An SD run's drafting per round as a multiple of K draft(1) (a median, as above)."""
+    if len(draft_rounds) < 8:
+        return None
+    return float(np.clip(np.median(draft_rounds) / (k * costs.draft_at(1)), 0.5, 3.0))
+
+
+def miss_exponent(a: float, fan: Sequence[int], hit: float) -> float:
+    """The r at which the hit model gives a run's measured hit rate with its fan-out (hit_rate
+    rises with r), by bisection in [0.2, 5]."""
+    fan = np.asarray(fan, np.int64)
+    lo, hi = 0.2, 5.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if hit_rate(a, mid, fan) < hit else (lo, mid)
+    return (lo + hi) / 2
 
 
 def choose(costs: StepCosts, *, a: float = PRIOR_A, r: float = PRIOR_R, batch: int = 1,
@@ -141,7 +194,8 @@ def choose(costs: StepCosts, *, a: float = PRIOR_A, r: float = PRIOR_R, batch: i
     return Choice(k=k, budget=m, backup=backup, fanout=pred["fanout"],
                   hit_rate=pred["hit_rate"], tokens_per_round=pred["tokens_per_round"],
                   tok_s={x: pred[x] for x in ("ar", "sd", "ssd")}, a=a, r=r,
-                  c=chosen_c if saguaro is not None and mode == "ssd" else None)
+                  c=chosen_c if saguaro is not None and mode == "ssd" else None,
+                  overlap=(costs.verify_overlap, costs.build_overlap))
 
 
 def acceptance_from_rounds(hist) -> float | None:
@@ -234,11 +288,24 @@ class TuneStore:
         if entry is None:
             return None
         return StepCosts({int(t): s for t, s in entry["target"].items()},
-                         {int(t): s for t, s in entry["draft"].items()})
+                         {int(t): s for t, s in entry["draft"].items()},
+                         entry.get("verify_overlap", 1.0), entry.get("build_overlap", 1.0),
+                         entry.get("sd_draft_scale", 1.0))
 
     def save_costs(self, key: str, costs: StepCosts, note: str) -> None:
         data = self._read()
         data.setdefault("costs", {})[key] = dict(asdict(costs), note=note)
+        self._write(data)
+
+    def observe_scales(self, key: str, weight: float, **scales: float) -> None:
+        """Blend a run's measured multiples of the step costs (StepCosts.verify_overlap,
+        build_overlap, sd_draft_scale) into the costs stored at `key`."""
+        data = self._read()
+        entry = data.get("costs", {}).get(key)
+        if entry is None:
+            return
+        for name, x in scales.items():
+            entry[name] = (1 - weight) * entry.get(name, 1.0) + weight * x
         self._write(data)
 
     def saguaro(self, key: str):
@@ -262,5 +329,6 @@ class TuneStore:
         old_a = entry.get("a")
         entry["a"] = a if old_a is None else (1 - weight) * old_a + weight * a
         if r is not None:
-            entry["r"] = r
+            old_r = entry.get("r")
+            entry["r"] = r if old_r is None else (1 - weight) * old_r + weight * r
         self._write(data)

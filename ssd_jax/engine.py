@@ -373,18 +373,23 @@ class Engine:
         return self.pool
 
     # ---------------------------------------------------------------- automatic settings
-    def _step_costs(self, mode: str, rows: int) -> autotune.StepCosts:
-        """Measured once per machine, pair, batch bucket and device split; then read back."""
-        driver = self.driver(mode)
+    def _cost_key(self, mode: str, rows: int) -> tuple[str, list[str], str]:
+        """(key, model names, device split) the step costs of a run are stored under."""
         names = [p or f"model-{hashlib.sha1(repr(c).encode()).hexdigest()[:10]}" for p, c in
                  zip(self.paths, (self.model_config,
                                   self._draft_model and self._draft_model.config))]
         if self.config.draft_vocab is not None:  # a cut head is a cheaper draft step
             names[1] += f" (head {self.config.draft_vocab})"
+        driver = self.driver(mode)
         split = driver if self.config.mesh is None else f"{driver}:{self.config.mesh}"
         if self.pod is not None:  # which processes hold the meshes matters too
             split += f":{self.pod.n_processes}x{jax.local_device_count()}"
-        key = autotune.cache_key(*names, rows, self.dtype, split)
+        return autotune.cache_key(*names, rows, self.dtype, split), names, split
+
+    def _step_costs(self, mode: str, rows: int) -> autotune.StepCosts:
+        """Measured once per machine, pair, batch bucket and device split; then read back."""
+        driver = self.driver(mode)
+        key, names, split = self._cost_key(mode, rows)
         store = autotune.TuneStore(autotune.store_path(self.cache_dir))
         costs = store.costs(key)
         if costs is None:
@@ -453,16 +458,28 @@ class Engine:
         self._curve = curve
         return curve
 
-    def learn(self, mode: str, metrics: RunMetrics) -> None:
+    def learn(self, mode: str, metrics: RunMetrics, greedy: bool = False) -> None:
         """Keep this pair's measured acceptance for the next automatic choice, weighted by
         the evidence: a run of 50+ rounds (one 96-token answer at K=2) mostly replaces what
         older runs said (acceptance moves with the kind of prompt: code 0.88, chat 0.65 on the
-        Qwen pair), a short one nudges it."""
+        Qwen pair), a short one nudges it. An SSD run also teaches the hit model's r (from a
+        greedy run's hit rate: the model with the prior r said 0.88 where code hit 0.77) and
+        how much slower its two sides ran side by side than alone, an SD run its drafting
+        (_learn_scales).
+        `greedy`: every row of the run was greedy."""
         rounds = sum(metrics.accept_hist)
         if mode == "ar" or rounds < 8:
             return
         a = autotune.acceptance_from_rounds(metrics.accept_hist)
+        weight = min(0.9, rounds / 50)
         s = metrics.settings or {}
+        r = None
+        if mode == "sd" or metrics.ssd is not None:
+            self._learn_scales(mode, metrics, weight)
+        if mode == "ssd" and metrics.ssd is not None:
+            fan = metrics.ssd.fanout or s.get("fanout_lists")
+            if greedy and fan is not None and len(fan) == len(metrics.accept_hist):
+                r = autotune.miss_exponent(a, fan, metrics.ssd.hit_rate)
         if (s.get("c") or 1.0) != 1.0 and self._curve is not None:
             # A run at Saguaro's C < 1 accepts less by design: keep what C = 1 would accept
             # (the latest curve's ratio, over an even split of the run's branches).
@@ -470,7 +487,30 @@ class Engine:
             a = min(0.98, a / max(self._curve.acceptance(1.0, s["c"], fan), 1e-3))
         pair = autotune.pair_key(*(p or "model" for p in self.paths))
         autotune.TuneStore(autotune.store_path(self.cache_dir)).observe(
-            pair, a, weight=min(0.9, rounds / 50))
+            pair, a, r, weight=weight)
+
+    def _learn_scales(self, mode: str, metrics: RunMetrics, weight: float) -> None:
+        """A run whose phases were timed per round (worker processes always are) against the
+        stored step costs of its batch and split: SSD's verification and build side by side
+        (autotune.overlap_of_run), SD's drafting (autotune.sd_draft_scale_of_run)."""
+        s = metrics.settings or {}
+        if not metrics.verify_rounds or "rows" not in s:
+            return
+        key = self._cost_key(mode, s["rows"])[0]
+        store = autotune.TuneStore(autotune.store_path(self.cache_dir))
+        costs = store.costs(key)
+        if costs is None:  # settings given by the caller: nothing measured to compare with
+            return
+        if mode == "ssd":
+            got = autotune.overlap_of_run(costs, s["k"], s["budget"], s["backup"],
+                                          metrics.ssd.all_hit_rate, metrics.verify_rounds,
+                                          metrics.ssd.build_rounds)
+            if got is not None:
+                store.observe_scales(key, weight, verify_overlap=got[0], build_overlap=got[1])
+        else:
+            got = autotune.sd_draft_scale_of_run(costs, s["k"], metrics.draft_rounds)
+            if got is not None:
+                store.observe_scales(key, weight, sd_draft_scale=got)
 
     def settings(self, mode: str, rows: int, spec: SpecConfig,
                  sampling: SamplingParams | None = None) -> tuple[SpecConfig, dict | None]:
@@ -478,19 +518,22 @@ class Engine:
         chosen, measuring step costs once), and their description as metrics.settings has it.
         `sampling`: a sampled run's settings (Saguaro's C is chosen for them)."""
         resolved, choice = self._spec_for(spec, mode, rows, sampling)
-        return resolved, self._settings(resolved, mode, choice)
+        return resolved, self._settings(resolved, mode, choice, rows)
 
     @staticmethod
-    def _settings(spec: SpecConfig, mode: str, choice: autotune.Choice | None) -> dict | None:
-        """What ran, for metrics and bench results: settings and, when chosen, the prediction."""
+    def _settings(spec: SpecConfig, mode: str, choice: autotune.Choice | None,
+                  rows: int) -> dict | None:
+        """What ran, for metrics and bench results: settings and, when chosen, the prediction.
+        `rows`: the padded batch (the key of its step costs)."""
         if mode == "ar":
             return None
         out = dict(k=spec.k, budget=spec.branches, fanout=spec.fanout, backup=spec.backup,
-                   c=spec.c, automatic=choice is not None)
+                   c=spec.c, automatic=choice is not None, rows=rows)
         if choice is not None:
             out.update(predicted_tok_s=choice.tok_s[mode], predicted=choice.tok_s,
                        a_prior=choice.a, fanout_lists=choice.fanout,
-                       predicted_hit_rate=choice.hit_rate)
+                       predicted_hit_rate=choice.hit_rate, r_prior=choice.r,
+                       overlap=list(choice.overlap))
         return out
 
     # ---------------------------------------------------------------- runs
@@ -521,7 +564,7 @@ class Engine:
         self.last_choice = None
         spec, choice, (rows, prompt, seq_len) = self._plan(ids, params, mode, spec)
         self.last_choice = choice
-        settings = self._settings(spec, mode, choice)
+        settings = self._settings(spec, mode, choice, rows)
         if self.driver(mode) == "processes":
             metrics = RunMetrics(mode=mode, batch=len(ids), settings=settings)
             yield from self._run_in_workers(ids, params, stops, mode, seq_len, spec, metrics)

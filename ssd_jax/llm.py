@@ -207,7 +207,7 @@ class LLM:
             metrics.new_tokens = sum(len(o) for o in out)
             self.last_metrics = metrics
             yield out, reason, metrics
-        self.core.learn(mode, metrics)
+        self.core.learn(mode, metrics, greedy=all(p.temperature == 0 for p in params))
 
     # ---------------------------------------------------------------- public API
     @no_type_check

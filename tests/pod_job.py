@@ -114,14 +114,19 @@ def serve(llm) -> dict:
     from ssd_jax.serve.app import build_app
     from ssd_jax.serve.server import Server
     server = Server(llm, mode="ssd", model_name="tiny", slots=SERVE_SLOTS, max_queue=8)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port,
-                                       log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
+    # The socket is bound here and handed to uvicorn: a port found free and bound later can be
+    # taken in between (this job's processes open many connections), and a server that never
+    # starts must be an error, not a wait.
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(build_app(server), log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs=dict(sockets=[sock]), daemon=True)
     thread.start()
+    deadline = time.monotonic() + 120
     while not uv.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the OpenAI server on the lead did not start")
         time.sleep(0.05)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                            max_retries=0, timeout=600)

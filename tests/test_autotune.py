@@ -44,6 +44,40 @@ def test_predictions_follow_the_speed_model_by_hand():
     assert fast["ssd"] == pytest.approx((p * e + (1 - p) * autotune.FAST_E_MISS) / (t_v * den))
 
 
+def test_overlap_slows_ssd_alone():
+    """Learnt overlap factors scale SSD's verification and build; SD and AR run one side at a
+    time and keep the step costs as timed."""
+    from dataclasses import replace
+    costs = _costs(0.2, 0.03, 0.1)
+    alone = predict(costs, 2, 6, a=0.8, r=1.5, batch=1)
+    both = predict(replace(costs, verify_overlap=1.25, build_overlap=1.25), 2, 6, a=0.8,
+                   r=1.5, batch=1)
+    # Build and backup ratios to verification: the build's is unchanged, the backup's (the
+    # target waits, alone) shrinks, so SSD slows by at most the factor and at least a bit.
+    assert alone["ssd"] / 1.25 <= both["ssd"] < alone["ssd"]
+    assert (both["sd"], both["ar"]) == (alone["sd"], alone["ar"])
+
+
+def test_overlap_of_a_run_is_robust_to_a_compile():
+    """Per-round medians against the step costs: one round that compiled (10 s) moves nothing."""
+    costs = _costs(0.2, 0.03, 0.1)
+    k, m = 2, 6
+    build = autotune.build_seconds(costs, k, m, "neural", 0.8)
+    assert build == pytest.approx(costs.draft_at(1) + k * costs.draft_at(m))
+    verify_rounds = [10.0] + [1.3 * costs.target[k + 1]] * 20
+    build_rounds = [10.0] + [1.1 * build] * 20
+    got = autotune.overlap_of_run(costs, k, m, "neural", 0.8, verify_rounds, build_rounds)
+    assert got == pytest.approx((1.3, 1.1))
+    assert autotune.overlap_of_run(costs, k, m, "neural", 0.8, verify_rounds[:5],
+                                   build_rounds[:5]) is None  # too few rounds to say
+
+
+def test_miss_exponent_recovers_the_hit_models_r():
+    for a, fan, r in ((0.88, [2, 1, 1, 2], 0.9), (0.6, [4, 2, 1], 2.5), (0.8, [3, 3, 6], 1.5)):
+        got = autotune.miss_exponent(a, fan, hit_rate(a, r, np.array(fan)))
+        assert got == pytest.approx(r, abs=1e-3)
+
+
 def test_choice_follows_the_costs():
     # A free draft and flat verification: speculate as far as measured.
     cheap = choose(_costs(0.0, 1e-4, 0.0), a=0.9, r=2.0)
@@ -79,6 +113,14 @@ def test_store_keeps_costs_and_blends_acceptance(tmp_path):
     store.observe("p", 0.9)
     store.observe("p", 0.5)
     assert store.acceptance("p")[0] == pytest.approx(0.7)
+    store.observe("p", 0.7, r=1.0)
+    store.observe("p", 0.7, r=2.0, weight=0.25)
+    assert store.acceptance("p")[1] == pytest.approx(1.25)
+    store.observe_scales("k", 0.5, verify_overlap=1.4, build_overlap=1.2, sd_draft_scale=2.0)
+    got = store.costs("k")
+    assert (got.verify_overlap, got.build_overlap, got.sd_draft_scale) == pytest.approx(
+        (1.2, 1.1, 1.5))
+    assert got.target == costs.target
 
 
 def test_engine_chooses_settings_and_stays_exact(tiny_llama, tmp_path):
@@ -112,6 +154,17 @@ def test_engine_chooses_settings_and_stays_exact(tiny_llama, tmp_path):
         llm.core.learn("ssd", m)
         got = store.acceptance("model|model")[0]
         assert got == pytest.approx(0.2 + weight * (0.98 - 0.2), abs=1e-6)
+    # A greedy SSD run timed per round teaches the hit model's r and the overlap factors of
+    # its step costs (here one process, phases apart: whatever they measure, not the prior);
+    # an SD run its drafting's multiple of the draft's step cost.
+    long = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    for mode, names in (("ssd", ("verify_overlap", "build_overlap")), ("sd", ("sd_draft_scale",))):
+        m = llm.generate(prompts, long, mode=mode, sync_phases=True)[0].metrics
+        assert len(m.verify_rounds) == m.decode_steps >= 8
+        assert len(m.ssd.build_rounds if mode == "ssd" else m.draft_rounds) == m.decode_steps
+        entry = store._read()["costs"][llm.core._cost_key(mode, m.settings["rows"])[0]]
+        assert all(entry[name] != 1.0 for name in names)
+    assert "r" in store._read()["pairs"]["model|model"]
 
 
 def test_cached_costs_are_per_xla_flags_but_not_per_device_count(monkeypatch):

@@ -30,6 +30,7 @@ from tests.pod_job import (PROMPTS, SAMPLED_SEEDS, SECOND, SERVE_GREEDY, SERVE_S
                            SERVE_SLOTS)
 
 JOB = str(Path(__file__).with_name("pod_job.py"))
+JOB_TIMEOUT_S = 480  # a job takes 60-75 s on the 2-core dev VM
 ROOT = str(Path(__file__).resolve().parents[1])
 GREEDY = SamplingParams(max_new_tokens=20, ignore_eos=True)
 SAMPLED = [SamplingParams(max_new_tokens=16, temperature=1.0, seed=s, ignore_eos=True)
@@ -91,9 +92,29 @@ def _run_job(pair, tmp_path, processes, devices, mesh) -> dict:
     out = tmp_path / "out.json"
     proc = _launch(processes, devices, *pair, str(out), "--mesh", mesh, "--sampled", "--serve",
                    "--auto", "--cache-dir", str(tmp_path / "cache"))
-    log, _ = proc.communicate(timeout=900)
+    try:
+        log, _ = proc.communicate(timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the pod job did not end in {JOB_TIMEOUT_S} s; every thread of every "
+                    f"process, where it waited:\n{_stacks_and_kill(proc)}")
     assert proc.returncode == 0, log[-4000:]
     return json.loads(out.read_text())
+
+
+def _stacks_and_kill(proc: subprocess.Popen) -> str:
+    """A hung job: each process prints its threads' stacks (tests/pod_job.py registers
+    faulthandler on SIGUSR1), then the job is killed; returns the end of its output."""
+    import signal
+    launcher = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    for pid in launcher.read_text().split() if launcher.exists() else []:
+        try:
+            os.kill(int(pid), signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    time.sleep(5)
+    proc.kill()  # its processes die with it (die_with_parent)
+    log, _ = proc.communicate()
+    return log[-20000:]
 
 
 def _check(got: dict, oracle: dict) -> None:

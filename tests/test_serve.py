@@ -17,10 +17,12 @@ PROMPTS = ["What is the capital of France?", "Name three colors.", "Count from o
            "What day comes after Monday?"]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _bound_socket() -> socket.socket:
+    """A loopback socket bound to a free port, handed to uvicorn (no window in which another
+    process could take the port)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    return s
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +46,10 @@ def served():
         out = llm.generate(p, SamplingParams(max_new_tokens=n, ignore_eos=True), mode="ar")[0]
         want["long", p] = (out.text, n, n)
     server = Server(llm, mode="ssd", model_name=MODEL, slots=4, max_queue=8)
-    port = _port()
-    uv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port,
-                                       log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
+    sock = _bound_socket()
+    port = sock.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(build_app(server), log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs=dict(sockets=[sock]), daemon=True)
     thread.start()
     deadline = time.time() + 60
     while not uv.started:

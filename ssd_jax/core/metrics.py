@@ -22,6 +22,7 @@ class SSDStats:
     accept_hist_miss: list = None  # ... after a miss (the backup's speculation)
     build_s: float = 0.0  # draft: glue + fork + tree decode, summed over rounds
     select_s: float = 0.0  # draft: lookup or backup
+    build_rounds: list = None  # draft: each round's build time (the median is robust to a compile)
     exposed_s: float = 0.0  # target: waiting for the next speculation after its verification
     backup: str = "neural"  # the backup in use (backup="auto" re-decides every chunk)
     fanout: list | None = None  # the draft's last F_0..F_K
@@ -32,6 +33,8 @@ class SSDStats:
         for name in ("accept_hist_hit", "accept_hist_miss"):
             if getattr(self, name) is None:
                 setattr(self, name, [0] * (self.k + 1))
+        if self.build_rounds is None:
+            self.build_rounds = []
 
     def record(self, n, hit, done, rows: int) -> np.ndarray:
         """Count one round of the real rows (the first `rows`); returns the live-row mask."""
@@ -64,6 +67,7 @@ class SSDStats:
     def take_draft_side(self, draft: "SSDStats") -> None:
         """The draft side's figures, into the target side's record of the run."""
         self.build_s, self.select_s, self.backup = draft.build_s, draft.select_s, draft.backup
+        self.build_rounds = draft.build_rounds
         self.fanout, self.a, self.r = draft.fanout, draft.a, draft.r
 
     def to_dict(self) -> dict:
@@ -88,6 +92,8 @@ class RunMetrics:
     sync_phases: bool = False  # block after draft and verify to time them apart
     draft_s: float = 0.0  # time in drafting (only with sync_phases)
     verify_s: float = 0.0  # time in target verification (only with sync_phases)
+    verify_rounds: list = field(default_factory=list)  # SD/SSD, timed: each round's verify
+    draft_rounds: list = field(default_factory=list)  # SD, timed: each round's K draft steps
     ssd: SSDStats | None = None  # SSD: hit rates, accept histograms on hits / misses, phases
     settings: dict | None = None  # SD/SSD: K, budget, backup...; when chosen, the prediction
 

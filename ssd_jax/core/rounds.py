@@ -176,9 +176,11 @@ def ssd_round(target: TargetSide | None, draft: DraftSide | None, link, s: Round
         if target is not None:
             phases["verify_s"] += t1 - t0
             phases["exposed_s"] += t4 - t1
+            phases["verify_rounds"].append(t1 - t0)
         if draft is not None:
             phases["build_s"] += t2 - t1
             phases["select_s"] += t4 - t3
+            phases["build_rounds"].append(t2 - t1)
     return (RoundState(ts if target else None, ds if draft else None, spec if target else None),
             t_rec, d_rec)
 
@@ -199,7 +201,8 @@ def ssd_loop(target: TargetSide | None, draft: DraftSide | None, link, metrics: 
         first = np.asarray(ts.rows.last)
         metrics.ttft_s = time.perf_counter() - t0
         yield [[int(x)] for x in first[:n_real]]
-    phases = dict(verify_s=0.0, exposed_s=0.0, build_s=0.0, select_s=0.0) if timed else None
+    phases = (dict(verify_s=0.0, exposed_s=0.0, build_s=0.0, select_s=0.0, verify_rounds=[],
+                   build_rounds=[]) if timed else None)
     t1 = time.perf_counter()
     while not _all_done((s.target or s.draft).rows, n_real):
         t_recs, d_recs = [], []
@@ -211,8 +214,10 @@ def ssd_loop(target: TargetSide | None, draft: DraftSide | None, link, metrics: 
         metrics.decode_steps += sync_every
         if phases is not None:
             metrics.verify_s, stats.exposed_s = phases["verify_s"], phases["exposed_s"]
+            metrics.verify_rounds = phases["verify_rounds"]
             if draft is not None:
                 draft.stats.build_s, draft.stats.select_s = phases["build_s"], phases["select_s"]
+                draft.stats.build_rounds = phases["build_rounds"]
         if draft is not None:
             t_verify = (metrics.verify_s / metrics.decode_steps
                         if phases is not None and target is not None else None)
@@ -255,8 +260,11 @@ def sd_loop(target: TargetSide, draft: ModelRunner, vocab, draft_cache: KVCache,
             state, outcome, out = target.verify(state, spec)
             if timed:
                 outcome.n.block_until_ready()
+                t_end = time.perf_counter()
                 metrics.draft_s += tv - ts
-                metrics.verify_s += time.perf_counter() - tv
+                metrics.verify_s += t_end - tv
+                metrics.draft_rounds.append(tv - ts)
+                metrics.verify_rounds.append(t_end - tv)
             outs.append((out, outcome.n, was_done))
         for _, n, was_done in outs:
             live = ~np.asarray(was_done)[:b.n]
