@@ -21,7 +21,7 @@ serve: $(STAMP)
 	$(VENV)/bin/ssd-serve --mode ssd --port 8000
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q --durations=15
 
 test-slow: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m slow
@@ -40,7 +40,7 @@ bench: $(STAMP)
 # machine); the first rewrites README.md's "Benchmark results" section between its markers.
 bench-real: $(STAMP)
 	$(VENV)/bin/ssd-bench --pair qwen2.5-coder --mode all --suite all --num-prompts 8 \
-		--output-len 96 --k auto --draft-vocab 32768 --all-cores --out results/real_pair_wide \
+		--output-len 96 --k auto --draft-vocab 32768 --all-cores --out results/real_pair_learnt \
 		--readme README.md
 	$(VENV)/bin/ssd-bench --pair qwen2.5-coder --mode all --suite code,chat --num-prompts 8 \
 		--output-len 96 --k auto --temperature 0.7 --draft-vocab 32768 \

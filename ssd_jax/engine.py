@@ -478,8 +478,12 @@ class Engine:
             self._learn_scales(mode, metrics, weight)
         if mode == "ssd" and metrics.ssd is not None:
             fan = metrics.ssd.fanout or s.get("fanout_lists")
+            # Each row's first round misses by construction (no cache yet: draft.empty_cache),
+            # which the hit model does not count; in a short run it is a tenth of the rounds.
+            st = metrics.ssd
+            steady = st.hits / max(st.rounds - metrics.batch, 1)
             if greedy and fan is not None and len(fan) == len(metrics.accept_hist):
-                r = autotune.miss_exponent(a, fan, metrics.ssd.hit_rate)
+                r = autotune.miss_exponent(a, fan, min(steady, 1.0))
         if (s.get("c") or 1.0) != 1.0 and self._curve is not None:
             # A run at Saguaro's C < 1 accepts less by design: keep what C = 1 would accept
             # (the latest curve's ratio, over an even split of the run's branches).
