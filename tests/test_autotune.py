@@ -59,12 +59,13 @@ def test_overlap_slows_ssd_alone():
 
 
 def test_overlap_of_a_run_is_robust_to_a_compile():
-    """Per-round medians against the step costs: one round that compiled (10 s) moves nothing."""
+    """Per-round means against the step costs: one round that compiled (10 s) moves nothing,
+    uneven rounds count as they cost (half at 1x and half at 1.6x the step cost: 1.3x)."""
     costs = _costs(0.2, 0.03, 0.1)
     k, m = 2, 6
     build = autotune.build_seconds(costs, k, m, "neural", 0.8)
     assert build == pytest.approx(costs.draft_at(1) + k * costs.draft_at(m))
-    verify_rounds = [10.0] + [1.3 * costs.target[k + 1]] * 20
+    verify_rounds = [10.0] + [1.0 * costs.target[k + 1], 1.6 * costs.target[k + 1]] * 10
     build_rounds = [10.0] + [1.1 * build] * 20
     got = autotune.overlap_of_run(costs, k, m, "neural", 0.8, verify_rounds, build_rounds)
     assert got == pytest.approx((1.3, 1.1))

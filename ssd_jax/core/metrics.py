@@ -22,7 +22,7 @@ class SSDStats:
     accept_hist_miss: list = None  # ... after a miss (the backup's speculation)
     build_s: float = 0.0  # draft: glue + fork + tree decode, summed over rounds
     select_s: float = 0.0  # draft: lookup or backup
-    build_rounds: list = None  # draft: each round's build time (the median is robust to a compile)
+    build_rounds: list = None  # draft: each round's build time (autotune.per_round)
     exposed_s: float = 0.0  # target: waiting for the next speculation after its verification
     backup: str = "neural"  # the backup in use (backup="auto" re-decides every chunk)
     fanout: list | None = None  # the draft's last F_0..F_K
