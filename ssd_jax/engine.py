@@ -30,6 +30,7 @@ from ssd_jax.prompts import check_fits
 from ssd_jax.sharding import split_devices
 
 log = logging.getLogger(__name__)
+STEADY_ROUNDS = 20  # rounds per row before a run's hit rate teaches the hit model's r
 Shapes = tuple[int, int, int]  # (padded batch, prompt bucket, cache length)
 
 
@@ -480,9 +481,12 @@ class Engine:
             fan = metrics.ssd.fanout or s.get("fanout_lists")
             # Each row's first round misses by construction (no cache yet: draft.empty_cache),
             # which the hit model does not count; in a short run it is a tenth of the rounds.
+            # Only whole answers teach r: the start of an answer hits more often than the rest
+            # (32-token probes of code taught r = 1.66, promising 0.87; whole answers hit 0.70).
             st = metrics.ssd
             steady = st.hits / max(st.rounds - metrics.batch, 1)
-            if greedy and fan is not None and len(fan) == len(metrics.accept_hist):
+            if (greedy and fan is not None and len(fan) == len(metrics.accept_hist)
+                    and st.rounds >= STEADY_ROUNDS * metrics.batch):
                 r = autotune.miss_exponent(a, fan, min(steady, 1.0))
         if (s.get("c") or 1.0) != 1.0 and self._curve is not None:
             # A run at Saguaro's C < 1 accepts less by design: keep what C = 1 would accept
