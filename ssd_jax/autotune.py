@@ -9,7 +9,8 @@ run), and cached as JSON beside the models:
 Acceptance a and the hit model's miss exponent r come from this pair's earlier runs (r from
 greedy SSD runs' hit rates, miss_exponent), stored in the same file; priors until then. SSD
 runs also say how much slower verification and the build run beside each other than alone
-(StepCosts.verify_overlap, build_overlap), kept with the step costs.
+(StepCosts.verify_overlap, build_overlap), SD runs how much more a round's drafting costs than
+K draft(1) (sd_draft_scale); all kept with the step costs.
 
 For each (K, M), with P(k) the capped-geometric accept-length law in a and F the engine's
 theorem fan-out of M over the K+1 outcomes (fanout.py):
@@ -21,7 +22,7 @@ theorem fan-out of M over the K+1 outcomes (fanout.py):
   glue = draft(1) when the speculation came out of the draft (a hit, or the neural backup:
   core/glue.py), draft(K+1) after fast-backup guesses (with probability 1 - p_B)
   SSD tok/s = B E / (t_v [p_B max(1, t_build / t_v) + (1 - p_B)(1 + t_backup / t_v)])  (speed.py)
-  SD tok/s  = B E / (K draft(1) + t_v),   AR tok/s = B / target(1)
+  SD tok/s  = B E / (K draft(1) sd_draft_scale + target(K+1)),   AR tok/s = B / target(1)
 A sampled SSD run replaces the hit model (and scales a) with the pair's measured response to
 Saguaro's C (saguaro_curve.py), and C joins K, M and the backup in the search.
 """
@@ -54,12 +55,12 @@ class StepCosts:
     target: dict  # T -> seconds (target scores T tokens per row)
     draft: dict  # T -> seconds (draft forward over T tokens per row)
     # SSD's rounds run verification and the cache build at the same time: on a CPU they share
-    # memory bandwidth, and each runs slower than the step costs timed at start-up say (the
-    # Qwen pair: verification 1.27x, the build 1.13x). Learnt from SSD runs; 1 until then.
+    # memory bandwidth, and each runs slower than the step costs timed at start-up say
+    # (per_round has the Qwen pair's figures). Learnt from SSD runs; 1 until then.
     verify_overlap: float = 1.0
     build_overlap: float = 1.0
     # SD's K draft steps in a round against K draft(1): the step costs time a forward alone,
-    # a round also samples, checks and dispatches each step (the Qwen pair: 1.15x).
+    # a round also samples, checks and dispatches each step. Learnt from SD runs.
     sd_draft_scale: float = 1.0
 
     def draft_at(self, t: int) -> float:
