@@ -47,27 +47,35 @@ def attend(
     scale: float | None = None,
 ) -> Float[Array, "B T Hq D"]:
     B, T, Hq, D = q.shape
-    Hkv, S = cache_k.shape[1], cache_k.shape[2]
+    Hkv, S, U = cache_k.shape[1], cache_k.shape[2], new_k.shape[1]
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else scale
-    qg = (q.astype(jnp.float32) * scale).reshape(B, T, Hkv, G, D)
+    # Queries head-major, [B, Hkv, T*G, D]: each (row, kv head) is then one plain matmul against
+    # its [S, D] cache slab. Left as [B, T, Hkv, G, D], XLA:CPU emits these contractions as
+    # elemental loops: 2.3x slower here (draft tree step 7.3 vs 3.2 ms, target's 4-token
+    # verification 11.5 vs 5.1 ms of attention, 700 slots, one core).
+    qm = (q.astype(jnp.float32) * scale).reshape(B, T, Hkv, G, D).transpose(0, 2, 1, 3, 4)
+    qm = qm.reshape(B, Hkv, T * G, D)
 
     # Prefix block: only a per-row length mask.
-    s_pre = jnp.einsum("bthgd,bhsd->bhgts", qg, cache_k.astype(jnp.float32))
+    s_pre = jnp.einsum("bhmd,bhsd->bhms", qm, cache_k.astype(jnp.float32))
     valid = jnp.arange(S)[None, :] < prefix_len[:, None]  # [B, S]
-    s_pre = jnp.where(valid[:, None, None, None, :], s_pre, MASK_VALUE)
+    s_pre = jnp.where(valid[:, None, None, :], s_pre, MASK_VALUE)
 
-    # New-token block: the caller's mask (chain or tree).
-    s_new = jnp.einsum("bthgd,buhd->bhgtu", qg, new_k.astype(jnp.float32))
-    s_new = jnp.where(mask[:, None, None, :, :], s_new, MASK_VALUE)
+    # New-token block: the caller's mask (chain or tree), the same for a query's G heads.
+    new_k = new_k.astype(jnp.float32).transpose(0, 2, 1, 3)  # [B, Hkv, U, D]
+    new_v = new_v.astype(jnp.float32).transpose(0, 2, 1, 3)
+    s_new = jnp.einsum("bhmd,bhud->bhmu", qm, new_k)
+    mask = jnp.broadcast_to(mask[:, None, :, None, :], (B, 1, T, G, U)).reshape(B, 1, T * G, U)
+    s_new = jnp.where(mask, s_new, MASK_VALUE)
 
     m = jnp.maximum(s_pre.max(-1, keepdims=True), s_new.max(-1, keepdims=True))
     p_pre = jnp.exp(s_pre - m)
     p_new = jnp.exp(s_new - m)
-    denom = p_pre.sum(-1) + p_new.sum(-1)  # [B, Hkv, G, T]
-    out = (jnp.einsum("bhgts,bhsd->bthgd", p_pre, cache_v.astype(jnp.float32))
-           + jnp.einsum("bhgtu,buhd->bthgd", p_new, new_v.astype(jnp.float32)))
-    out = out / jnp.moveaxis(denom, 3, 1)[..., None]  # denom -> [B, T, Hkv, G, 1]
+    denom = p_pre.sum(-1, keepdims=True) + p_new.sum(-1, keepdims=True)  # [B, Hkv, T*G, 1]
+    out = (jnp.einsum("bhms,bhsd->bhmd", p_pre, cache_v.astype(jnp.float32))
+           + jnp.einsum("bhmu,bhud->bhmd", p_new, new_v)) / denom
+    out = out.reshape(B, Hkv, T, G, D).transpose(0, 2, 1, 3, 4)  # back to [B, T, Hkv, G, D]
     return out.reshape(B, T, Hq, D).astype(q.dtype)
 
 
