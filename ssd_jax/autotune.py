@@ -267,12 +267,22 @@ def cache_key(target: str, draft: str, batch: int, dtype: str, split: str) -> st
 
 
 def store_path(cache_dir: Path | None = None) -> Path:
+    """`cache_dir`/autotune.json; without one, $SSD_JAX_TUNE_FILE if set (a test run keeps its
+    tiny models' entries out of the user's store, in its subprocesses too), else the model
+    cache's."""
     from ssd_jax.loading.packaged import DEFAULT_CACHE
+    if cache_dir is None and os.environ.get("SSD_JAX_TUNE_FILE"):
+        return Path(os.environ["SSD_JAX_TUNE_FILE"])
     return Path(cache_dir or DEFAULT_CACHE) / "autotune.json"
 
 
 def pair_key(target: str, draft: str) -> str:
     return f"{target}|{draft}"
+
+
+def _blend(old: float | None, new: float, weight: float) -> float:
+    """A stored figure moved toward a run's by `weight` (the run's value when none is stored)."""
+    return new if old is None else (1 - weight) * old + weight * new
 
 
 class TuneStore:
@@ -315,7 +325,7 @@ class TuneStore:
         if entry is None:
             return
         for name, x in scales.items():
-            entry[name] = (1 - weight) * entry.get(name, 1.0) + weight * x
+            entry[name] = _blend(entry.get(name, 1.0), x, weight)
         self._write(data)
 
     def saguaro(self, key: str):
@@ -336,9 +346,7 @@ class TuneStore:
         """Blend a run's acceptance into the stored one (runs vary by prompt)."""
         data = self._read()
         entry = data.setdefault("pairs", {}).setdefault(pair, {})
-        old_a = entry.get("a")
-        entry["a"] = a if old_a is None else (1 - weight) * old_a + weight * a
+        entry["a"] = _blend(entry.get("a"), a, weight)
         if r is not None:
-            old_r = entry.get("r")
-            entry["r"] = r if old_r is None else (1 - weight) * old_r + weight * r
+            entry["r"] = _blend(entry.get("r"), r, weight)
         self._write(data)

@@ -147,5 +147,6 @@ def _private_autotune_store(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setattr(autotune, "store_path",
                lambda cache_dir=None: Path(cache_dir) / "autotune.json" if cache_dir else path)
+    mp.setenv("SSD_JAX_TUNE_FILE", str(path))  # subprocesses: the CLI, notebooks, pod jobs
     yield path
     mp.undo()
