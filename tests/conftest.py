@@ -140,13 +140,9 @@ def _private_autotune_store(tmp_path_factory):
     """Automatic settings read and write a per-user store (~/.cache/ssd_jax/autotune.json);
     tests keep theirs apart, so a test run neither reads a user's measurements nor leaves its
     tiny models' entries behind."""
-    from pathlib import Path
-
-    import ssd_jax.autotune as autotune
     path = tmp_path_factory.mktemp("autotune") / "autotune.json"
     mp = pytest.MonkeyPatch()
-    mp.setattr(autotune, "store_path",
-               lambda cache_dir=None: Path(cache_dir) / "autotune.json" if cache_dir else path)
-    mp.setenv("SSD_JAX_TUNE_FILE", str(path))  # subprocesses: the CLI, notebooks, pod jobs
+    # autotune.store_path honours it, here and in subprocesses (the CLI, notebooks, pod jobs).
+    mp.setenv("SSD_JAX_TUNE_FILE", str(path))
     yield path
     mp.undo()
