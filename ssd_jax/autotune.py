@@ -18,10 +18,12 @@ theorem fan-out of M over the K+1 outcomes (fanout.py):
   top-1, so F_k forks cover ranks 2..F_k+1); after all K accepted: 1 - (1 - a) F_K^-r
   p = sum_k P(k) hit(k),  E = sum_k P(k) (k + 1) tokens per round
   t_v = target(K+1) verify_overlap,  t_build = (glue + K draft(M)) build_overlap,
-  t_backup = K draft(1)
+  t_backup = K draft(1) sd_draft_scale
   glue = draft(1) when the speculation came out of the draft (a hit, or the neural backup:
   core/glue.py), draft(K+1) after fast-backup guesses (with probability 1 - p_B)
-  SSD tok/s = B E / (t_v [p_B max(1, t_build / t_v) + (1 - p_B)(1 + t_backup / t_v)])  (speed.py)
+  SSD tok/s = B E / (t_v [p_B w + (1 - p_B)(1 + t_backup / t_v)])  (speed.py), where a hit
+  round lasts w = E[max(1, t_build / t_v + noise)] verifications, the noise the rounds' spread
+  (StepCosts.round_spread; with none, w = max(1, t_build / t_v) as the paper has it)
   SD tok/s  = B E / (K draft(1) sd_draft_scale + target(K+1)),   AR tok/s = B / target(1)
 A sampled SSD run replaces the hit model (and scales a) with the pair's measured response to
 Saguaro's C (saguaro_curve.py), and C joins K, M and the backup in the search.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import time
@@ -60,8 +63,14 @@ class StepCosts:
     verify_overlap: float = 1.0
     build_overlap: float = 1.0
     # SD's K draft steps in a round against K draft(1): the step costs time a forward alone,
-    # a round also samples, checks and dispatches each step. Learnt from SD runs.
+    # a round also samples, checks and dispatches each step. Learnt from SD runs; SSD's neural
+    # backup is the same K steps in series, so it scales it too.
     sd_draft_scale: float = 1.0
+    # The spread (standard deviation) of a round's build minus its verification, as a fraction
+    # of the verification. A hit round waits for the later of the two, and the mean of the
+    # later is more than the later of the means: a build that takes as long as the verification
+    # on average exposes ~0.4 spread a round (expected_wait). Learnt from SSD runs; 0 until then.
+    round_spread: float = 0.0
 
     def draft_at(self, t: int) -> float:
         """Linear between measured token counts (forward cost grows ~linearly in T here)."""
@@ -81,7 +90,8 @@ class Choice:
     a: float
     r: float
     c: float | None = None  # Saguaro's C, chosen for a sampled SSD run (None: greedy, C = 1)
-    overlap: tuple = (1.0, 1.0)  # the costs' (verify_overlap, build_overlap) it assumed
+    # the costs' (verify_overlap, build_overlap, round_spread) it assumed
+    overlap: tuple = (1.0, 1.0, 0.0)
 
     def describe(self) -> str:
         saguaro = "" if self.c is None else f", Saguaro C={self.c:g}"
@@ -119,14 +129,27 @@ def predict(costs: StepCosts, k: int, m: int, *, a: float, r: float, batch: int,
     e = _tokens_per_round(a, k)
     t_v = costs.target[k + 1] * costs.verify_overlap
     t_build = build_seconds(costs, k, m, backup, p ** batch) * costs.build_overlap
-    t_backup = k * costs.draft_at(1) if backup == "neural" else 0.0  # the target waits: alone
+    # The target waits for the backup's K steps in series, alone, as SD's drafting runs.
+    t_backup = (k * costs.draft_at(1) * costs.sd_draft_scale if backup == "neural" else 0.0)
     e_miss = e if backup == "neural" else FAST_E_MISS
-    speedup = ssd_speedup(p, p ** batch, e, e_miss, t_build / t_v, t_backup / t_v)
+    speedup = ssd_speedup(p, p ** batch, e, e_miss,
+                          expected_wait(t_build / t_v, costs.round_spread), t_backup / t_v)
     return dict(hit_rate=p, tokens_per_round=e, fanout=[int(x) for x in fan], a=a,
                 ssd=batch * speedup / t_v,
                 sd=batch * e_sd / (k * costs.draft_at(1) * costs.sd_draft_scale
                                    + costs.target[k + 1]),
                 ar=batch / costs.target[1])
+
+
+def expected_wait(ratio: float, spread: float) -> float:
+    """A hit round in verifications: E[max(1, ratio + spread Z)], Z standard normal (the
+    build's and the verification's round-to-round variation, as one normal difference)."""
+    if spread <= 0:
+        return max(1.0, ratio)
+    d = (ratio - 1) / spread
+    phi = math.exp(-d * d / 2) / math.sqrt(2 * math.pi)
+    cdf = 0.5 * (1 + math.erf(d / math.sqrt(2)))
+    return 1 + (ratio - 1) * cdf + spread * phi
 
 
 def build_seconds(costs: StepCosts, k: int, m: int, backup: str, p_all: float) -> float:
@@ -149,14 +172,20 @@ def per_round(seconds: Sequence[float]) -> float:
 
 def overlap_of_run(costs: StepCosts, k: int, m: int, backup: str, p_all: float,
                    verify_rounds: Sequence[float], build_rounds: Sequence[float]
-                   ) -> tuple[float, float] | None:
+                   ) -> tuple[float, float, float] | None:
     """(verification, build) per round in an SSD run, as multiples of what the step costs
-    predict alone (per_round)."""
+    predict alone (per_round), and the spread of a round's build minus its verification as a
+    fraction of the mean verification (StepCosts.round_spread; rounds past per_round's outlier
+    bound on either side left out, so a compile does not count)."""
     if len(verify_rounds) < 8 or len(build_rounds) < 8:
         return None
     v = per_round(verify_rounds) / costs.target[k + 1]
     b = per_round(build_rounds) / build_seconds(costs, k, m, backup, p_all)
-    return float(np.clip(v, 0.5, 3.0)), float(np.clip(b, 0.5, 3.0))
+    n = min(len(verify_rounds), len(build_rounds))  # round i of each side is the same round
+    tv, tb = np.asarray(verify_rounds[:n], np.float64), np.asarray(build_rounds[:n], np.float64)
+    keep = (tv <= 5 * np.median(tv)) & (tb <= 5 * np.median(tb))
+    spread = float(np.std(tb[keep] - tv[keep]) / tv[keep].mean())
+    return float(np.clip(v, 0.5, 3.0)), float(np.clip(b, 0.5, 3.0)), float(min(spread, 1.0))
 
 
 def sd_draft_scale_of_run(costs: StepCosts, k: int, draft_rounds: Sequence[float]
@@ -205,7 +234,7 @@ def choose(costs: StepCosts, *, a: float = PRIOR_A, r: float = PRIOR_R, batch: i
                   hit_rate=pred["hit_rate"], tokens_per_round=pred["tokens_per_round"],
                   tok_s={x: pred[x] for x in ("ar", "sd", "ssd")}, a=a, r=r,
                   c=chosen_c if saguaro is not None and mode == "ssd" else None,
-                  overlap=(costs.verify_overlap, costs.build_overlap))
+                  overlap=(costs.verify_overlap, costs.build_overlap, costs.round_spread))
 
 
 def acceptance_from_rounds(hist) -> float | None:
@@ -310,7 +339,7 @@ class TuneStore:
         return StepCosts({int(t): s for t, s in entry["target"].items()},
                          {int(t): s for t, s in entry["draft"].items()},
                          entry.get("verify_overlap", 1.0), entry.get("build_overlap", 1.0),
-                         entry.get("sd_draft_scale", 1.0))
+                         entry.get("sd_draft_scale", 1.0), entry.get("round_spread", 0.0))
 
     def save_costs(self, key: str, costs: StepCosts, note: str) -> None:
         data = self._read()
@@ -325,7 +354,8 @@ class TuneStore:
         if entry is None:
             return
         for name, x in scales.items():
-            entry[name] = _blend(entry.get(name, 1.0), x, weight)
+            entry[name] = _blend(entry.get(name, StepCosts.__dataclass_fields__[name].default),
+                                 x, weight)
         self._write(data)
 
     def saguaro(self, key: str):

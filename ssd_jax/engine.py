@@ -514,7 +514,8 @@ class Engine:
                                           metrics.ssd.all_hit_rate, metrics.verify_rounds,
                                           metrics.ssd.build_rounds)
             if got is not None:
-                store.observe_scales(key, weight, verify_overlap=got[0], build_overlap=got[1])
+                store.observe_scales(key, weight, verify_overlap=got[0], build_overlap=got[1],
+                                     round_spread=got[2])
         else:
             got = autotune.sd_draft_scale_of_run(costs, s["k"], metrics.draft_rounds)
             if got is not None:

@@ -56,6 +56,12 @@ def test_overlap_slows_ssd_alone():
     # target waits, alone) shrinks, so SSD slows by at most the factor and at least a bit.
     assert alone["ssd"] / 1.25 <= both["ssd"] < alone["ssd"]
     assert (both["sd"], both["ar"]) == (alone["sd"], alone["ar"])
+    # SD's drafting scale is also the neural backup's: K draft steps in series either way.
+    slow = predict(replace(costs, sd_draft_scale=1.5), 2, 6, a=0.8, r=1.5, batch=1)
+    fast = predict(replace(costs, sd_draft_scale=1.5), 2, 6, a=0.8, r=1.5, batch=1,
+                   backup="fast")
+    assert slow["ssd"] < alone["ssd"] and slow["sd"] < alone["sd"]
+    assert fast["ssd"] == predict(costs, 2, 6, a=0.8, r=1.5, batch=1, backup="fast")["ssd"]
 
 
 def test_overlap_of_a_run_is_robust_to_a_compile():
@@ -68,9 +74,30 @@ def test_overlap_of_a_run_is_robust_to_a_compile():
     verify_rounds = [10.0] + [1.0 * costs.target[k + 1], 1.6 * costs.target[k + 1]] * 10
     build_rounds = [10.0] + [1.1 * build] * 20
     got = autotune.overlap_of_run(costs, k, m, "neural", 0.8, verify_rounds, build_rounds)
-    assert got == pytest.approx((1.3, 1.1))
+    # Build minus verification: 1.1 build - (1.0 or 1.6) verification, half each: spread 0.3
+    # of the step cost, over the mean verification of 1.3.
+    spread = 0.3 * costs.target[k + 1] / (1.3 * costs.target[k + 1])
+    assert got == pytest.approx((1.3, 1.1, spread))
     assert autotune.overlap_of_run(costs, k, m, "neural", 0.8, verify_rounds[:5],
                                    build_rounds[:5]) is None  # too few rounds to say
+
+
+def test_a_hit_round_waits_for_the_later_of_build_and_verification():
+    """E[max(1, ratio + spread Z)] against a sampled mean; no spread: the paper's max."""
+    rng = np.random.default_rng(0)
+    z = rng.standard_normal(400_000)
+    for ratio, spread in ((1.0, 0.15), (0.8, 0.2), (1.3, 0.1), (0.5, 0.05)):
+        want = np.maximum(1.0, ratio + spread * z).mean()
+        assert autotune.expected_wait(ratio, spread) == pytest.approx(want, abs=2e-3)
+    assert autotune.expected_wait(0.7, 0.0) == 1.0
+    assert autotune.expected_wait(1.4, 0.0) == 1.4
+    # A spread slows SSD wherever the build can overrun (most where it takes as long as the
+    # verification), so the choice leans to builds that fit with room.
+    from dataclasses import replace
+    costs = _costs(0.2, 0.03, 0.1)
+    calm, jumpy = (predict(replace(costs, round_spread=s), 2, 6, a=0.8, r=1.5, batch=1)
+                   for s in (0.0, 0.2))
+    assert jumpy["ssd"] < calm["ssd"]
 
 
 def test_miss_exponent_recovers_the_hit_models_r():
@@ -117,10 +144,11 @@ def test_store_keeps_costs_and_blends_acceptance(tmp_path):
     store.observe("p", 0.7, r=1.0)
     store.observe("p", 0.7, r=2.0, weight=0.25)
     assert store.acceptance("p")[1] == pytest.approx(1.25)
-    store.observe_scales("k", 0.5, verify_overlap=1.4, build_overlap=1.2, sd_draft_scale=2.0)
+    store.observe_scales("k", 0.5, verify_overlap=1.4, build_overlap=1.2, sd_draft_scale=2.0,
+                         round_spread=0.2)
     got = store.costs("k")
-    assert (got.verify_overlap, got.build_overlap, got.sd_draft_scale) == pytest.approx(
-        (1.2, 1.1, 1.5))
+    assert (got.verify_overlap, got.build_overlap, got.sd_draft_scale,
+            got.round_spread) == pytest.approx((1.2, 1.1, 1.5, 0.1))  # spread's prior: 0
     assert got.target == costs.target
 
 
@@ -165,6 +193,8 @@ def test_engine_chooses_settings_and_stays_exact(tiny_llama, tmp_path):
         assert len(m.ssd.build_rounds if mode == "ssd" else m.draft_rounds) == m.decode_steps
         entry = store._read()["costs"][llm.core._cost_key(mode, m.settings["rows"])[0]]
         assert all(entry[name] != 1.0 for name in names)
+        if mode == "ssd":  # the rounds' spread too (its prior, 0, is never stored)
+            assert 0 < entry["round_spread"] < 1
         if mode == "ssd":  # whole answers (>= STEADY_ROUNDS rounds a row) teach r
             assert m.ssd.rounds >= 20 * len(prompts)
             assert "r" in store._read()["pairs"]["model|model"]
