@@ -124,17 +124,21 @@ def summary_table(results: dict) -> str:
 
 
 def detail_table(results: dict) -> str:
-    head = ("| suite | mode | K | M | C | T | B | tok/s | TTFT ms | TPOT ms | tok/round | accept | "
-            "hit rate | vs AR | predicted vs AR | = AR |")
-    lines = [head, "|" + "---|" * 16]
+    """Every cell. "tok/s predicted" is the start-up model's (autotune.predict, what an
+    automatic choice is made with; for given settings, the same model at them), "predicted vs
+    AR" the phase model's from the cell's own measured phases."""
+    head = ("| suite | mode | K | M | C | T | B | tok/s | tok/s predicted | TTFT ms | TPOT ms | "
+            "tok/round | accept | hit rate | vs AR | predicted vs AR | = AR |")
+    lines = [head, "|" + "---|" * 17]
     for c in results["cells"]:
         ssd, pred, eq = c.get("ssd"), c.get("prediction"), c.get("matches_ar")
+        start = (c.get("settings") or {}).get("predicted_tok_s")
         lines.append("| " + " | ".join([
             c["suite"], LABELS.get(c["mode"], c["mode"]), _f(c["k"], "{}"),
             _f(c["budget"] or (2 * (c["k"] + 1) if c["budget"] is not None else None), "{}"),
             _f(c["c"] if c["mode"] == "ssd" else None, "{:g}"),
             _f(c["temperature"], "{:g}"), str(c["batch"]), _f(c["decode_tok_s"]),
-            _f(c["ttft_ms"], "{:.0f}"), _f(c["tpot_ms"]), _f(c["tokens_per_round"], "{:.2f}"),
+            _f(start), _f(c["ttft_ms"], "{:.0f}"), _f(c["tpot_ms"]), _f(c["tokens_per_round"], "{:.2f}"),
             _f(c["acceptance"], "{:.2f}"), _f(ssd and ssd["hit_rate"], "{:.2f}"),
             _f(c.get("speedup_vs_ar"), "{:.2f}x"),
             _f(pred and pred.get("speedup_vs_ar"), "{:.2f}x"),

@@ -527,13 +527,15 @@ class Engine:
         chosen, measuring step costs once), and their description as metrics.settings has it.
         `sampling`: a sampled run's settings (Saguaro's C is chosen for them)."""
         resolved, choice = self._spec_for(spec, mode, rows, sampling)
-        return resolved, self._settings(resolved, mode, choice, rows)
+        greedy = sampling is None or sampling.temperature == 0
+        return resolved, self._settings(resolved, mode, choice, rows, greedy)
 
-    @staticmethod
-    def _settings(spec: SpecConfig, mode: str, choice: autotune.Choice | None,
-                  rows: int) -> dict | None:
+    def _settings(self, spec: SpecConfig, mode: str, choice: autotune.Choice | None,
+                  rows: int, greedy: bool = False) -> dict | None:
         """What ran, for metrics and bench results: settings and, when chosen, the prediction.
-        `rows`: the padded batch (the key of its step costs)."""
+        `rows`: the padded batch (the key of its step costs). Settings given by the caller get
+        the same model's prediction for them when the run is greedy (`greedy`) and step costs
+        are stored (never measured for it), so a sweep's every cell can be held to the model."""
         if mode == "ar":
             return None
         out = dict(k=spec.k, budget=spec.branches, fanout=spec.fanout, backup=spec.backup,
@@ -543,6 +545,19 @@ class Engine:
                        a_prior=choice.a, fanout_lists=choice.fanout,
                        predicted_hit_rate=choice.hit_rate, r_prior=choice.r,
                        overlap=list(choice.overlap))
+        elif (greedy and spec.fanout == "geometric" and (spec.c or 1.0) == 1.0
+              and spec.backup in ("neural", "fast")):
+            costs = autotune.TuneStore(autotune.store_path(self.cache_dir)).costs(
+                self._cost_key(mode, rows)[0])
+            if costs is not None and spec.k + 1 in costs.target:
+                pair = autotune.pair_key(*(p or "model" for p in self.paths))
+                a, r = autotune.TuneStore(autotune.store_path(self.cache_dir)).acceptance(pair)
+                pred = autotune.predict(costs, spec.k, spec.branches, a=a, r=r, batch=rows,
+                                        backup=spec.backup)
+                out.update(predicted_tok_s=pred[mode], predicted_hit_rate=pred["hit_rate"],
+                           a_prior=a, r_prior=r, fanout_lists=pred["fanout"],
+                           overlap=[costs.verify_overlap, costs.build_overlap,
+                                    costs.round_spread])
         return out
 
     # ---------------------------------------------------------------- runs
@@ -573,7 +588,8 @@ class Engine:
         self.last_choice = None
         spec, choice, (rows, prompt, seq_len) = self._plan(ids, params, mode, spec)
         self.last_choice = choice
-        settings = self._settings(spec, mode, choice, rows)
+        settings = self._settings(spec, mode, choice, rows,
+                                  all(p.temperature == 0 for p in params))
         if self.driver(mode) == "processes":
             metrics = RunMetrics(mode=mode, batch=len(ids), settings=settings)
             yield from self._run_in_workers(ids, params, stops, mode, seq_len, spec, metrics)

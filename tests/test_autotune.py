@@ -172,6 +172,14 @@ def test_engine_chooses_settings_and_stays_exact(tiny_llama, tmp_path):
         s = out[0].metrics.settings
         assert s["automatic"] and 1 <= s["k"] <= autotune.K_MAX and s["predicted_tok_s"] > 0
     assert (tmp_path / "autotune.json").exists()
+    # Settings given by the caller: the same model's prediction for them (costs are stored).
+    from ssd_jax.config import SpecConfig
+    given = llm.generate(prompts, p, mode="ssd", spec=SpecConfig(k=2, budget=5))[0].metrics
+    want = autotune.predict(TuneStore(tmp_path / "autotune.json").costs(
+        llm.core._cost_key("ssd", given.settings["rows"])[0]), 2, 5, a=given.settings["a_prior"],
+        r=given.settings["r_prior"], batch=given.settings["rows"])["ssd"]
+    assert not given.settings["automatic"]
+    assert given.settings["predicted_tok_s"] == pytest.approx(want)
     store = TuneStore(tmp_path / "autotune.json")
     assert store.acceptance("model|model")[0] != autotune.PRIOR_A
     # Learning weighs the evidence: a run of 50+ rounds moves the stored acceptance 90% of
