@@ -141,6 +141,7 @@ def test_three_processes_target_tp2_across_two(pair, oracle, tmp_path):
     _check(got, oracle)
 
 
+@pytest.mark.slow  # 1.5 min; the three-process layout above runs the same job by default
 def test_four_processes_two_devices_target_tp4_draft_tp2(pair, oracle, tmp_path):
     got = _run_job(pair, tmp_path, 4, 2, "4,2")
     assert got["pod"].splitlines() == [
@@ -163,7 +164,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("victim,group", [(1, "target"), (2, "draft")])
+@pytest.mark.parametrize("victim,group", [
+    (1, "target"), pytest.param(2, "draft", marks=pytest.mark.slow)])  # 40 s each
 def test_a_dead_process_ends_the_job_with_its_name(pair, tmp_path, victim, group):
     """Kill one process mid-generation: every other one exits by itself within 60 s (the
     launcher kills nobody) with a line naming the dead process."""
