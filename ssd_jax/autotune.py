@@ -172,20 +172,40 @@ def per_round(seconds: Sequence[float]) -> float:
 
 def overlap_of_run(costs: StepCosts, k: int, m: int, backup: str, p_all: float,
                    verify_rounds: Sequence[float], build_rounds: Sequence[float]
-                   ) -> tuple[float, float, float] | None:
+                   ) -> tuple[float, float] | None:
     """(verification, build) per round in an SSD run, as multiples of what the step costs
-    predict alone (per_round), and the spread of a round's build minus its verification as a
-    fraction of the mean verification (StepCosts.round_spread; rounds past per_round's outlier
-    bound on either side left out, so a compile does not count)."""
+    predict alone (per_round)."""
     if len(verify_rounds) < 8 or len(build_rounds) < 8:
         return None
     v = per_round(verify_rounds) / costs.target[k + 1]
     b = per_round(build_rounds) / build_seconds(costs, k, m, backup, p_all)
-    n = min(len(verify_rounds), len(build_rounds))  # round i of each side is the same round
-    tv, tb = np.asarray(verify_rounds[:n], np.float64), np.asarray(build_rounds[:n], np.float64)
-    keep = (tv <= 5 * np.median(tv)) & (tb <= 5 * np.median(tb))
-    spread = float(np.std(tb[keep] - tv[keep]) / tv[keep].mean())
-    return float(np.clip(v, 0.5, 3.0)), float(np.clip(b, 0.5, 3.0)), float(min(spread, 1.0))
+    return float(np.clip(v, 0.5, 3.0)), float(np.clip(b, 0.5, 3.0))
+
+
+def spread_of_run(costs: StepCosts, k: int, backup: str, p_all: float,
+                  verify_rounds: Sequence[float], build_rounds: Sequence[float],
+                  exposed_per_round: float) -> float | None:
+    """The StepCosts.round_spread at which the model's wait per round after verification,
+    p_B t_v (w - 1) + (1 - p_B) t_backup (predict, with the run's own verification and build
+    per round), is the run's measured one; 0 when the wait is no more than the spread-free
+    model's. Fitted to the wait, not read off the rounds' times: the two sides time their
+    rounds in separate processes, and a difference of unpaired rounds reads ~2x too wide."""
+    if len(verify_rounds) < 8 or len(build_rounds) < 8:
+        return None
+    v, b = per_round(verify_rounds), per_round(build_rounds)
+    t_backup = k * costs.draft_at(1) * costs.sd_draft_scale if backup == "neural" else 0.0
+
+    def wait(spread: float) -> float:
+        return p_all * v * (expected_wait(b / v, spread) - 1) + (1 - p_all) * t_backup
+    if wait(0.0) >= exposed_per_round or p_all <= 0:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    if wait(hi) <= exposed_per_round:
+        return hi
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if wait(mid) < exposed_per_round else (lo, mid)
+    return (lo + hi) / 2
 
 
 def sd_draft_scale_of_run(costs: StepCosts, k: int, draft_rounds: Sequence[float]

@@ -514,8 +514,15 @@ class Engine:
                                           metrics.ssd.all_hit_rate, metrics.verify_rounds,
                                           metrics.ssd.build_rounds)
             if got is not None:
-                store.observe_scales(key, weight, verify_overlap=got[0], build_overlap=got[1],
-                                     round_spread=got[2])
+                store.observe_scales(key, weight, verify_overlap=got[0], build_overlap=got[1])
+            # The wait after verification is the overlap's remainder only where the two sides
+            # run apart (worker processes, a pod); in one process it holds the whole build.
+            spread = (autotune.spread_of_run(
+                costs, s["k"], s["backup"], metrics.ssd.all_hit_rate, metrics.verify_rounds,
+                metrics.ssd.build_rounds, metrics.ssd.exposed_s / max(metrics.decode_steps, 1))
+                if self.driver(mode) != "single" else None)
+            if spread is not None:
+                store.observe_scales(key, weight, round_spread=spread)
         else:
             got = autotune.sd_draft_scale_of_run(costs, s["k"], metrics.draft_rounds)
             if got is not None:

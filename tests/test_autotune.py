@@ -74,10 +74,7 @@ def test_overlap_of_a_run_is_robust_to_a_compile():
     verify_rounds = [10.0] + [1.0 * costs.target[k + 1], 1.6 * costs.target[k + 1]] * 10
     build_rounds = [10.0] + [1.1 * build] * 20
     got = autotune.overlap_of_run(costs, k, m, "neural", 0.8, verify_rounds, build_rounds)
-    # Build minus verification: 1.1 build - (1.0 or 1.6) verification, half each: spread 0.3
-    # of the step cost, over the mean verification of 1.3.
-    spread = 0.3 * costs.target[k + 1] / (1.3 * costs.target[k + 1])
-    assert got == pytest.approx((1.3, 1.1, spread))
+    assert got == pytest.approx((1.3, 1.1))
     assert autotune.overlap_of_run(costs, k, m, "neural", 0.8, verify_rounds[:5],
                                    build_rounds[:5]) is None  # too few rounds to say
 
@@ -98,6 +95,22 @@ def test_a_hit_round_waits_for_the_later_of_build_and_verification():
     calm, jumpy = (predict(replace(costs, round_spread=s), 2, 6, a=0.8, r=1.5, batch=1)
                    for s in (0.0, 0.2))
     assert jumpy["ssd"] < calm["ssd"]
+
+
+def test_spread_of_a_run_gives_back_the_wait_it_was_made_with():
+    """A run whose wait after verification is what the model says at a spread gives that
+    spread back; a wait the spread-free model already covers gives 0."""
+    from dataclasses import replace
+    costs = replace(_costs(0.2, 0.03, 0.1), sd_draft_scale=1.2)
+    k, p_all, v, b = 3, 0.75, 0.40, 0.38
+    t_backup = k * costs.draft_at(1) * 1.2
+    for spread in (0.05, 0.15, 0.3):
+        wait = p_all * v * (autotune.expected_wait(b / v, spread) - 1) + (1 - p_all) * t_backup
+        got = autotune.spread_of_run(costs, k, "neural", p_all, [v] * 20, [b] * 20, wait)
+        assert got == pytest.approx(spread, abs=1e-6)
+    assert autotune.spread_of_run(costs, k, "neural", p_all, [v] * 20, [b] * 20,
+                                  0.5 * (1 - p_all) * t_backup) == 0.0
+    assert autotune.spread_of_run(costs, k, "neural", p_all, [v] * 5, [b] * 5, 0.1) is None
 
 
 def test_miss_exponent_recovers_the_hit_models_r():
@@ -201,8 +214,8 @@ def test_engine_chooses_settings_and_stays_exact(tiny_llama, tmp_path):
         assert len(m.ssd.build_rounds if mode == "ssd" else m.draft_rounds) == m.decode_steps
         entry = store._read()["costs"][llm.core._cost_key(mode, m.settings["rows"])[0]]
         assert all(entry[name] != 1.0 for name in names)
-        if mode == "ssd":  # the rounds' spread too (its prior, 0, is never stored)
-            assert 0 < entry["round_spread"] < 1
+        if mode == "ssd":  # one process: the wait holds the whole build, no spread to learn
+            assert entry["round_spread"] == 0.0
         if mode == "ssd":  # whole answers (>= STEADY_ROUNDS rounds a row) teach r
             assert m.ssd.rounds >= 20 * len(prompts)
             assert "r" in store._read()["pairs"]["model|model"]
