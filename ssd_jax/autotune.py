@@ -129,8 +129,7 @@ def predict(costs: StepCosts, k: int, m: int, *, a: float, r: float, batch: int,
     e = _tokens_per_round(a, k)
     t_v = costs.target[k + 1] * costs.verify_overlap
     t_build = build_seconds(costs, k, m, backup, p ** batch) * costs.build_overlap
-    # The target waits for the backup's K steps in series, alone, as SD's drafting runs.
-    t_backup = (k * costs.draft_at(1) * costs.sd_draft_scale if backup == "neural" else 0.0)
+    t_backup = backup_seconds(costs, k, backup)
     e_miss = e if backup == "neural" else FAST_E_MISS
     speedup = ssd_speedup(p, p ** batch, e, e_miss,
                           expected_wait(t_build / t_v, costs.round_spread), t_backup / t_v)
@@ -150,6 +149,20 @@ def expected_wait(ratio: float, spread: float) -> float:
     phi = math.exp(-d * d / 2) / math.sqrt(2 * math.pi)
     cdf = 0.5 * (1 + math.erf(d / math.sqrt(2)))
     return 1 + (ratio - 1) * cdf + spread * phi
+
+
+def backup_seconds(costs: StepCosts, k: int, backup: str) -> float:
+    """What the target waits for after a miss: the neural backup's K draft steps in series,
+    alone, as SD's drafting runs (so at SD's learnt multiple); the fast backup's guesses are
+    free."""
+    return k * costs.draft_at(1) * costs.sd_draft_scale if backup == "neural" else 0.0
+
+
+def exposed_wait(p_all: float, t_v: float, t_build: float, t_backup: float,
+                 spread: float) -> float:
+    """Seconds per round the target waits after its verification, as predict's round counts
+    it: a hit round until the later build ends, a miss round for the backup."""
+    return p_all * t_v * (expected_wait(t_build / t_v, spread) - 1) + (1 - p_all) * t_backup
 
 
 def build_seconds(costs: StepCosts, k: int, m: int, backup: str, p_all: float) -> float:
@@ -193,10 +206,10 @@ def spread_of_run(costs: StepCosts, k: int, backup: str, p_all: float,
     if len(verify_rounds) < 8 or len(build_rounds) < 8:
         return None
     v, b = per_round(verify_rounds), per_round(build_rounds)
-    t_backup = k * costs.draft_at(1) * costs.sd_draft_scale if backup == "neural" else 0.0
+    t_backup = backup_seconds(costs, k, backup)
 
     def wait(spread: float) -> float:
-        return p_all * v * (expected_wait(b / v, spread) - 1) + (1 - p_all) * t_backup
+        return exposed_wait(p_all, v, b, t_backup, spread)
     if wait(0.0) >= exposed_per_round or p_all <= 0:
         return 0.0
     lo, hi = 0.0, 1.0

@@ -374,6 +374,11 @@ class Engine:
         return self.pool
 
     # ---------------------------------------------------------------- automatic settings
+    @property
+    def _pair(self) -> str:
+        """The key of this pair's learnt acceptance (and Saguaro curves) in the store."""
+        return autotune.pair_key(*(p or "model" for p in self.paths))
+
     def _cost_key(self, mode: str, rows: int) -> tuple[str, list[str], str]:
         """(key, model names, device split) the step costs of a run are stored under."""
         names = [p or f"model-{hashlib.sha1(repr(c).encode()).hexdigest()[:10]}" for p, c in
@@ -414,8 +419,7 @@ class Engine:
         `sampling`: the run's (first sampled row's) settings, for Saguaro's C."""
         if mode == "ar" or not spec.auto:
             return replace(spec, backup=spec.backup_or_default, c=spec.c or 1.0), None
-        pair = autotune.pair_key(*(p or "model" for p in self.paths))
-        a, r = autotune.TuneStore(autotune.store_path(self.cache_dir)).acceptance(pair)
+        a, r = autotune.TuneStore(autotune.store_path(self.cache_dir)).acceptance(self._pair)
         curve = self._saguaro(mode, sampling)  # a sampled run's hit model, given C or not
         choice = autotune.choose(self._step_costs(mode, rows), a=a, r=r, batch=rows, mode=mode,
                                  saguaro=curve, c=spec.c)
@@ -436,8 +440,7 @@ class Engine:
                 or self.tokenizer is None or self.pod is not None):
             return None
         t, top_k, top_p = float(sampling.temperature), int(sampling.top_k), float(sampling.top_p)
-        pair = autotune.pair_key(*(p or "model" for p in self.paths))
-        key = f"{pair}|head {self.config.draft_vocab}|T={t:g}|top_k={top_k}|top_p={top_p:g}"
+        key = f"{self._pair}|head {self.config.draft_vocab}|T={t:g}|top_k={top_k}|top_p={top_p:g}"
         store = autotune.TuneStore(autotune.store_path(self.cache_dir))
         curve = store.saguaro(key)
         if curve is None:
@@ -493,9 +496,8 @@ class Engine:
             # (the latest curve's ratio, over an even split of the run's branches).
             fan = [max(1, s["budget"] // (s["k"] + 1))] * (s["k"] + 1)
             a = min(0.98, a / max(self._curve.acceptance(1.0, s["c"], fan), 1e-3))
-        pair = autotune.pair_key(*(p or "model" for p in self.paths))
         autotune.TuneStore(autotune.store_path(self.cache_dir)).observe(
-            pair, a, r, weight=weight)
+            self._pair, a, r, weight=weight)
 
     def _learn_scales(self, mode: str, metrics: RunMetrics, weight: float) -> None:
         """A run whose phases were timed per round (worker processes always are) against the
@@ -554,11 +556,10 @@ class Engine:
                        overlap=list(choice.overlap))
         elif (greedy and spec.fanout == "geometric" and (spec.c or 1.0) == 1.0
               and spec.backup in ("neural", "fast")):
-            costs = autotune.TuneStore(autotune.store_path(self.cache_dir)).costs(
-                self._cost_key(mode, rows)[0])
+            store = autotune.TuneStore(autotune.store_path(self.cache_dir))
+            costs = store.costs(self._cost_key(mode, rows)[0])
             if costs is not None and spec.k + 1 in costs.target:
-                pair = autotune.pair_key(*(p or "model" for p in self.paths))
-                a, r = autotune.TuneStore(autotune.store_path(self.cache_dir)).acceptance(pair)
+                a, r = store.acceptance(self._pair)
                 pred = autotune.predict(costs, spec.k, spec.branches, a=a, r=r, batch=rows,
                                         backup=spec.backup)
                 out.update(predicted_tok_s=pred[mode], predicted_hit_rate=pred["hit_rate"],

@@ -103,7 +103,8 @@ def test_spread_of_a_run_gives_back_the_wait_it_was_made_with():
     from dataclasses import replace
     costs = replace(_costs(0.2, 0.03, 0.1), sd_draft_scale=1.2)
     k, p_all, v, b = 3, 0.75, 0.40, 0.38
-    t_backup = k * costs.draft_at(1) * 1.2
+    t_backup = k * costs.draft_at(1) * 1.2  # by hand: K steps at SD's drafting multiple
+    assert autotune.backup_seconds(costs, k, "neural") == pytest.approx(t_backup)
     for spread in (0.05, 0.15, 0.3):
         wait = p_all * v * (autotune.expected_wait(b / v, spread) - 1) + (1 - p_all) * t_backup
         got = autotune.spread_of_run(costs, k, "neural", p_all, [v] * 20, [b] * 20, wait)
@@ -214,9 +215,9 @@ def test_engine_chooses_settings_and_stays_exact(tiny_llama, tmp_path):
         assert len(m.ssd.build_rounds if mode == "ssd" else m.draft_rounds) == m.decode_steps
         entry = store._read()["costs"][llm.core._cost_key(mode, m.settings["rows"])[0]]
         assert all(entry[name] != 1.0 for name in names)
-        if mode == "ssd":  # one process: the wait holds the whole build, no spread to learn
+        if mode == "ssd":  # whole answers (>= STEADY_ROUNDS rounds a row) teach r; one
+            # process learns no spread (its wait after verification holds the whole build)
             assert entry["round_spread"] == 0.0
-        if mode == "ssd":  # whole answers (>= STEADY_ROUNDS rounds a row) teach r
             assert m.ssd.rounds >= 20 * len(prompts)
             assert "r" in store._read()["pairs"]["model|model"]
 
