@@ -40,10 +40,10 @@ bench: $(STAMP)
 # machine); the first rewrites README.md's "Benchmark results" section between its markers.
 bench-real: $(STAMP)
 	$(VENV)/bin/ssd-bench --pair qwen2.5-coder --mode all --suite all --num-prompts 8 \
-		--output-len 96 --k auto --draft-vocab 32768 --all-cores --out results/real_pair_learnt \
-		--readme README.md
+		--output-len 96 --k auto --draft-vocab 32768 --all-cores --interleave \
+		--out results/real_pair_learnt --readme README.md
 	$(VENV)/bin/ssd-bench --pair qwen2.5-coder --mode all --suite code,chat --num-prompts 8 \
-		--output-len 96 --k auto --temperature 0.7 --draft-vocab 32768 \
+		--output-len 96 --k auto --temperature 0.7 --draft-vocab 32768 --interleave \
 		--out results/real_pair_t07_wide
 
 # The shipped draft's whole training pipeline (checkpoints/smollm2-draft/README.md, 59 min on

@@ -100,6 +100,10 @@ def parser() -> argparse.ArgumentParser:
       help="Saguaro constants to time (SSD at T > 0)")
     a("--grid", action="store_true",
       help="sweep every (K, M) of --sweep-k x --sweep-budget, not each list on its own")
+    a("--interleave", action="store_true",
+      help="time the cells batch by batch in turn (prompt 1 of every cell, then prompt 2, ...; "
+      "probes and compiles first) so that the machine's drift over the run falls on every "
+      "cell alike: for comparing modes or settings on a VM whose speed moves within an hour")
     a("--all-cores", action="store_true",
       help="with worker processes: also time AR and SD in one process over all usable cores "
       "(what a CPU user without SSD would run), as modes ar-all and sd-all")
@@ -204,19 +208,31 @@ def run(args, argv) -> dict:
                 seen.add(key)
                 jobs += [(mode, point, s) for s in suites]
     from tqdm import tqdm
-    bar = tqdm(jobs, desc="cells", unit="cell", disable=args.no_progress, file=sys.stderr)
     out_cells, calibration = [], []
+
+    def calibrate(mode, point, suite, cell) -> None:
+        if (mode != "ar" and not args.no_phases and suite == suites[0]
+                and cell["phases"] is None):
+            n = max(args.calib_prompts, point.batch)
+            calibration.append(dict(mode=mode, point=dataclasses.asdict(point.for_mode(mode)),
+                                    phases=cells.calibrate(mode, point, ids[suite][:n])))
+
     try:
-        for mode, point, suite in bar:
-            bar.set_postfix_str(f"{mode} {suite} K={point.k} T={point.temperature:g} "
-                                f"B={point.batch}")
-            cell = cells.run(mode, suite, point, ids[suite], desc=f"{mode}/{suite}")
-            out_cells.append(cell)
-            if (mode != "ar" and not args.no_phases and suite == suites[0]
-                    and cell["phases"] is None):
-                n = max(args.calib_prompts, point.batch)
-                calibration.append(dict(mode=mode, point=dataclasses.asdict(point.for_mode(mode)),
-                                        phases=cells.calibrate(mode, point, ids[suite][:n])))
+        if args.interleave:
+            bar = tqdm(total=sum(len(ids[s]) for _, _, s in jobs), desc="prompts (interleaved)",
+                       unit="prompt", disable=args.no_progress, file=sys.stderr)
+            out_cells = cells.run_interleaved([(m, s, p, ids[s]) for m, p, s in jobs], bar)
+            bar.close()
+            for (mode, point, suite), cell in zip(jobs, out_cells):
+                calibrate(mode, point, suite, cell)
+        else:
+            bar = tqdm(jobs, desc="cells", unit="cell", disable=args.no_progress, file=sys.stderr)
+            for mode, point, suite in bar:
+                bar.set_postfix_str(f"{mode} {suite} K={point.k} T={point.temperature:g} "
+                                    f"B={point.batch}")
+                cell = cells.run(mode, suite, point, ids[suite], desc=f"{mode}/{suite}")
+                out_cells.append(cell)
+                calibrate(mode, point, suite, cell)
     finally:
         if hasattr(llm, "close"):
             llm.close()
@@ -254,6 +270,9 @@ def run(args, argv) -> dict:
                          + (" on CPU devices of one process" if split else "") + ": draft and "
                          "target share the same cores, so the draft's work is not overlapped "
                          "with verification (the speed model assumes it is).")
+    if args.interleave and len(jobs) > 1:
+        notes.append("The cells were timed batch by batch in turn (--interleave): the "
+                      "machine's drift during the run fell on every cell alike.")
     if needs_draft and args.draft == args.target:
         notes.append("The draft is the target itself (a stand-in for a distilled draft).")
     if args.peers:
@@ -267,6 +286,7 @@ def run(args, argv) -> dict:
                     device_split=split, prefill_bucket=args.prefill_bucket,
                     sync_every=args.sync_every, dtype=args.dtype, draft_vocab=args.draft_vocab,
                     ignore_eos=not args.stop_at_eos, prompt_encoding=how,
+                    interleaved=args.interleave,
                     torch_threads=threads if args.peers else None),
         base=dataclasses.asdict(points[0]), points=[dataclasses.asdict(p) for p in points],
         cells=out_cells, calibration=calibration, notes=notes, plots=[])

@@ -53,9 +53,6 @@ def encode(llm, prompts, chat: bool = True) -> tuple[list[list[int]], str]:
     return [tok.encode(p.text) for p in prompts], "plain"
 
 
-PROBE_TOKENS = 32  # per prompt: ~12 rounds at K=2, enough for engine.learn to count them
-
-
 def sampling(point: Point, n: int, out_len: int, seed: int, ignore_eos: bool):
     from ssd_jax import SamplingParams
     return [SamplingParams(temperature=point.temperature, top_p=point.top_p,
@@ -98,12 +95,16 @@ class Cells:
         return time.perf_counter() - t0
 
     def _generate(self, mode, point, ids, params, agg, bar=None, sync_phases: bool = False):
-        # Settings go with each call, so one loaded LLM serves every point of the sweep.
         for b in self._batches(ids, point):
-            agg.add(b, self.llm.generate([ids[i] for i in b], [params[i] for i in b], mode=mode,
-                                         chat=False, spec=point.spec(), sync_phases=sync_phases))
-            if bar is not None:
-                bar.update(len(b))
+            self._batch(mode, point, ids, params, b, agg, bar, sync_phases)
+
+    def _batch(self, mode, point, ids, params, rows, agg, bar=None, sync_phases: bool = False):
+        # Settings go with each call, so one loaded LLM serves every point of the sweep.
+        agg.add(rows, self.llm.generate([ids[i] for i in rows], [params[i] for i in rows],
+                                        mode=mode, chat=False, spec=point.spec(),
+                                        sync_phases=sync_phases))
+        if bar is not None:
+            bar.update(len(rows))
 
     def pin(self, mode: str, point: Point) -> tuple[Point, dict | None]:
         """k=auto: the engine's choice for this cell, made once and pinned for all its calls
@@ -120,31 +121,52 @@ class Cells:
                                    fanout=spec.fanout, c=spec.c), settings
 
     def probe(self, mode: str, point: Point, ids, params) -> None:
-        """k=auto: let the engine see this workload before it chooses, as a user's engine has
-        seen the prompts it serves (the acceptance it learns moves with the kind of prompt;
-        chosen with another suite's, code got K and M fit for chat). Untimed: the first
-        PROBE_TOKENS of every prompt's answer. Whole answers to the first two prompts chose
-        K=3 on code from their acceptance, 0.94, where the suite's is 0.79-0.85."""
+        """k=auto: let the engine see this workload before it chooses, as a serving engine has
+        seen the requests it serves (the acceptance it learns moves with the kind of prompt;
+        chosen with another suite's, code got K and M fit for chat). Untimed: every prompt's
+        whole answer, as the cell will ask for it. Shorter probes misled the choice: whole
+        answers to the first two prompts read acceptance 0.94 on code where the suite's is
+        0.79-0.85, and the first 32 tokens of every answer read 0.90 where whole ones give
+        0.86-0.87 (the start of an answer is easier to guess)."""
         if point.k is not None or mode == "ar":
             return
         probe, _ = self.pin(mode, point)
-        short = [dataclasses.replace(p, max_new_tokens=min(p.max_new_tokens, PROBE_TOKENS))
-                 for p in params]
         for b in self._batches(ids, point):
-            self.llm.generate([ids[i] for i in b], [short[i] for i in b], mode=mode,
+            self.llm.generate([ids[i] for i in b], [params[i] for i in b], mode=mode,
                               chat=False, spec=probe.spec())
 
-    def run(self, mode: str, suite: str, point: Point, ids, desc: str = "") -> dict:
+    def prepare(self, mode: str, suite: str, point: Point, ids) -> "Pending":
+        """A cell ready to time: probed and pinned (k=auto), its shapes compiled."""
         params = sampling(point, len(ids), self.out_len, self.seed, self.ignore_eos)
         self.probe(mode, point, ids, params)
         point, chosen = self.pin(mode, point)
         warm_s = self.warmup(mode, point, ids, params)
         agg = Agg(point.for_mode(mode), self.driver(mode))
         agg.chosen = chosen
+        return Pending(mode, suite, point, ids, params, agg, warm_s)
+
+    def run(self, mode: str, suite: str, point: Point, ids, desc: str = "") -> dict:
+        p = self.prepare(mode, suite, point, ids)
         bar = _bar(len(ids), desc if self.progress else "")
-        self._generate(mode, point, ids, params, agg, bar)
+        self._generate(mode, p.point, ids, p.params, p.agg, bar)
         bar.close()
-        return agg.cell(mode, suite, warm_s)
+        return p.agg.cell(mode, suite, p.warm_s)
+
+    def run_interleaved(self, jobs: list[tuple[str, str, Point, list]], bar=None) -> list[dict]:
+        """The cells of `jobs` ((mode, suite, point, ids) each) timed batch by batch in turn:
+        batch 1 of every cell, then batch 2, ..., the order rotating by one each time. Every
+        cell is probed, pinned and compiled first. A machine whose speed drifts over the run
+        (these VMs: 10-25% within an hour; one setting ran 15% apart in two sweeps) then
+        slows every cell alike, and the cells' ratios are the machine's, not the hour's."""
+        pending = [self.prepare(*job) for job in jobs]
+        batches = [self._batches(p.ids, p.point) for p in pending]
+        for j in range(max(len(b) for b in batches)):
+            for n in range(len(pending)):
+                i = (j + n) % len(pending)
+                p = pending[i]
+                if j < len(batches[i]):
+                    self._batch(p.mode, p.point, p.ids, p.params, batches[i][j], p.agg, bar)
+        return [p.agg.cell(p.mode, p.suite, p.warm_s) for p in pending]
 
     def calibrate(self, mode: str, point: Point, ids) -> dict | None:
         """Per-round phase times with the engine blocking between phases, for the speed model
@@ -156,6 +178,19 @@ class Cells:
         agg = Agg(point.for_mode(mode), self.driver(mode))
         self._generate(mode, point, ids, params, agg, sync_phases=True)
         return agg.phases()
+
+
+@dataclass
+class Pending:
+    """A prepared cell: what Cells.prepare resolved, and the sums its timed batches add to."""
+
+    mode: str
+    suite: str
+    point: Point  # pinned
+    ids: list
+    params: list
+    agg: "Agg"
+    warm_s: float
 
 
 class Agg:

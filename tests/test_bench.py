@@ -77,13 +77,14 @@ def test_plots_and_readme_section(run, tmp_path):
 
 def test_automatic_k_with_a_grid_sweep_beside_it(pair, tmp_path, monkeypatch):
     """--k auto: SD and SSD cells carry the engine's choice (K, M, its prediction) and make the
-    summary; the K x M grid's cells sit beside them; greedy outputs stay the target's."""
+    summary; the K x M grid's cells sit beside them; greedy outputs stay the target's. Timed
+    interleaved (--interleave): every cell still gets all its prompts."""
     import ssd_jax.autotune as autotune
     monkeypatch.setattr(autotune, "store_path", lambda cache_dir=None: tmp_path / "tune.json")
     argv = ["--mode", "all", "--target", pair[0], "--draft", pair[1], "--suite", "code",
             "--num-prompts", "2", "--output-len", "12", "--k", "auto", "--grid",
             "--sweep-k", "1,2", "--sweep-budget", "2,6", "--driver", "single", "--no-progress",
-            "--json", str(tmp_path / "r.json")]
+            "--interleave", "--json", str(tmp_path / "r.json")]
     assert main(argv) == 0
     res = json.loads((tmp_path / "r.json").read_text())
     auto = [c for c in res["cells"] if c.get("automatic")]
@@ -98,6 +99,38 @@ def test_automatic_k_with_a_grid_sweep_beside_it(pair, tmp_path, monkeypatch):
     from bench.results import is_base
     base = [c for c in res["cells"] if is_base(c, res["base"])]
     assert sorted(c["mode"] for c in base) == ["ar", "sd", "ssd"]
+    assert res["config"]["interleaved"] and all(c["num_prompts"] == 2 for c in res["cells"])
+
+
+def test_interleaved_cells_take_turns(monkeypatch):
+    """--interleave: every cell is prepared (probed, pinned, compiled) before any is timed, then
+    batch j of every cell runs before batch j+1 of any, the first cell rotating."""
+    from bench import measure
+    calls = []
+
+    class Agg:
+        def __init__(self, name):
+            self.name = name
+
+        def cell(self, mode, suite, warm_s):
+            return dict(cell=self.name)
+
+    def prepare(self, mode, suite, point, ids):
+        calls.append(("prepare", mode))
+        return measure.Pending(mode, suite, point, ids, [None] * len(ids), Agg(mode), 0.0)
+
+    monkeypatch.setattr(measure.Cells, "prepare", prepare)
+    monkeypatch.setattr(measure.Cells, "_batch", lambda self, mode, point, ids, params, rows,
+                        agg, bar=None: calls.append((mode, rows)))
+    cells = measure.Cells(None, out_len=4, seed=0, ignore_eos=True, progress=False)
+    point = measure.Point(k=None, budget=None, fanout=None, c=None, backup=None,
+                          temperature=0.0, top_p=1.0, batch=1)
+    out = cells.run_interleaved([(m, "code", point, [[1], [2], [3]]) for m in ("ar", "sd", "ssd")])
+    assert out == [dict(cell="ar"), dict(cell="sd"), dict(cell="ssd")]
+    assert calls[:3] == [("prepare", "ar"), ("prepare", "sd"), ("prepare", "ssd")]
+    assert calls[3:] == [("ar", [0]), ("sd", [0]), ("ssd", [0]),
+                         ("sd", [1]), ("ssd", [1]), ("ar", [1]),
+                         ("ssd", [2]), ("ar", [2]), ("sd", [2])]
 
 
 # ------------------------------------------------------------------ suites

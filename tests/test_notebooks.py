@@ -39,9 +39,16 @@ def test_notebook_runs_with_small_settings(name, tmp_path, monkeypatch):
     monkeypatch.setenv("SSD_JAX_SMALL", "1")
     monkeypatch.delenv("XLA_FLAGS", raising=False)  # notebook 03 sets its own device count
     nb = _read(name)
-    client = NotebookClient(nb, km=_kernel_manager(tmp_path), timeout=CELL_TIMEOUT,
+    km = _kernel_manager(tmp_path)
+    client = NotebookClient(nb, km=km, timeout=CELL_TIMEOUT,
                             resources={"metadata": {"path": str(NOTEBOOKS)}})
-    client.execute()  # raises CellExecutionError, with the failing cell and traceback
+    try:
+        client.execute()  # raises CellExecutionError, with the failing cell and traceback
+    finally:
+        # nbclient shuts down only kernels it made itself: ours would live on (holding a
+        # model, ~1 GB, and a few percent of a core each) for the rest of the test run.
+        if km.has_kernel:
+            km.shutdown_kernel(now=True)
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
               if o.output_type == "error"]
     assert not errors
