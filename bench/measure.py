@@ -127,10 +127,13 @@ class Cells:
         whole answer, as the cell will ask for it. Shorter probes misled the choice: whole
         answers to the first two prompts read acceptance 0.94 on code where the suite's is
         0.79-0.85, and the first 32 tokens of every answer read 0.90 where whole ones give
-        0.86-0.87 (the start of an answer is easier to guess)."""
+        0.86-0.87 (the start of an answer is easier to guess). What earlier runs taught
+        (another suite, the warm-up's first prompt) is dropped first, so the choice sees the
+        whole workload's acceptance, every prompt by its length."""
         if point.k is not None or mode == "ar":
             return
         probe, _ = self.pin(mode, point)
+        self.llm.core.forget_acceptance()
         for b in self._batches(ids, point):
             self.llm.generate([ids[i] for i in b], [params[i] for i in b], mode=mode,
                               chat=False, spec=probe.spec())

@@ -50,6 +50,9 @@ M_MAX = 16
 TARGET_TOKENS = tuple(range(1, K_MAX + 2))
 DRAFT_TOKENS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 PRIOR_A, PRIOR_R = 0.7, 1.5
+# Rounds of evidence the stored acceptance (and r) stand for: about eight 96-token answers at
+# K=3. Within it, runs count by their rounds (a pooled mean); past it, older runs fade.
+ACCEPT_WINDOW = 240
 FAST_E_MISS = 1.2  # tokens per round after an n-gram guess (rarely accepted)
 
 
@@ -405,11 +408,25 @@ class TuneStore:
         entry = self._read().get("pairs", {}).get(pair, {})
         return entry.get("a", PRIOR_A), entry.get("r", PRIOR_R)
 
-    def observe(self, pair: str, a: float, r: float | None = None, weight: float = 0.5) -> None:
-        """Blend a run's acceptance into the stored one (runs vary by prompt)."""
+    def observe(self, pair: str, a: float, r: float | None = None, rounds: int = 50) -> None:
+        """Fold a run of `rounds` rounds into the stored acceptance a (and the hit model's r):
+        its weight is its rounds over the rounds held (at most ACCEPT_WINDOW) plus its own.
+        After forget(), runs pool by their rounds until the window fills; then the last
+        ~ACCEPT_WINDOW rounds dominate. Not the last run alone: a weight of 0.6 per 96-token
+        answer made the store hold the last two prompts' acceptance (code's prompts run
+        0.79-0.94 one by one)."""
         data = self._read()
         entry = data.setdefault("pairs", {}).setdefault(pair, {})
-        entry["a"] = _blend(entry.get("a"), a, weight)
-        if r is not None:
-            entry["r"] = _blend(entry.get("r"), r, weight)
+        for name, x, count in (("a", a, "rounds_a"), ("r", r, "rounds_r")):
+            if x is None:
+                continue
+            held = min(entry.get(count, ACCEPT_WINDOW if name in entry else 0), ACCEPT_WINDOW)
+            entry[name] = _blend(entry.get(name), x, rounds / (held + rounds))
+            entry[count] = held + rounds
         self._write(data)
+
+    def forget(self, pair: str) -> None:
+        """Drop what runs taught about this pair (a, r): the next run's stand alone."""
+        data = self._read()
+        if data.get("pairs", {}).pop(pair, None) is not None:
+            self._write(data)

@@ -464,9 +464,9 @@ class Engine:
 
     def learn(self, mode: str, metrics: RunMetrics, greedy: bool = False) -> None:
         """Keep this pair's measured acceptance for the next automatic choice, weighted by
-        the evidence: a run of 50+ rounds (one 96-token answer at K=2) mostly replaces what
-        older runs said (acceptance moves with the kind of prompt: code 0.88, chat 0.65 on the
-        Qwen pair), a short one nudges it. An SSD run also teaches the hit model's r (from a
+        the evidence: a running mean over the last ~ACCEPT_WINDOW rounds (TuneStore.observe;
+        acceptance moves with the kind of prompt: code 0.88, chat 0.65 on the Qwen pair, and
+        from prompt to prompt). An SSD run also teaches the hit model's r (from a
         greedy run's hit rate: the model with the prior r said 0.88 where code hit 0.77) and
         how much slower its two sides ran side by side than alone, an SD run its drafting
         (_learn_scales).
@@ -497,7 +497,12 @@ class Engine:
             fan = [max(1, s["budget"] // (s["k"] + 1))] * (s["k"] + 1)
             a = min(0.98, a / max(self._curve.acceptance(1.0, s["c"], fan), 1e-3))
         autotune.TuneStore(autotune.store_path(self.cache_dir)).observe(
-            self._pair, a, r, weight=weight)
+            self._pair, a, r, rounds=rounds)
+
+    def forget_acceptance(self) -> None:
+        """Start this pair's acceptance and hit model afresh: the runs that follow teach them
+        alone (a bench probing a new workload; a server whose traffic changed kind)."""
+        autotune.TuneStore(autotune.store_path(self.cache_dir)).forget(self._pair)
 
     def _learn_scales(self, mode: str, metrics: RunMetrics, weight: float) -> None:
         """A run whose phases were timed per round (worker processes always are) against the

@@ -152,12 +152,19 @@ def test_store_keeps_costs_and_blends_acceptance(tmp_path):
                                                                   autotune.PRIOR_R)
     store.save_costs("k", costs, note="test")
     assert store.costs("k") == costs
-    store.observe("p", 0.9)
-    store.observe("p", 0.5)
-    assert store.acceptance("p")[0] == pytest.approx(0.7)
-    store.observe("p", 0.7, r=1.0)
-    store.observe("p", 0.7, r=2.0, weight=0.25)
-    assert store.acceptance("p")[1] == pytest.approx(1.25)
+    # Runs pool by their rounds until the window fills; then older evidence fades.
+    store.observe("p", 0.9, rounds=30)
+    store.observe("p", 0.5, rounds=10)
+    assert store.acceptance("p")[0] == pytest.approx(0.8)
+    store.observe("p", 0.7, r=1.0, rounds=60)
+    store.observe("p", 0.7, r=2.0, rounds=20)
+    assert store.acceptance("p") == pytest.approx(((27 + 5 + 56) / 120, 1.25))
+    for _ in range(20):
+        store.observe("p", 0.6, rounds=autotune.ACCEPT_WINDOW)
+    store.observe("p", 0.9, rounds=autotune.ACCEPT_WINDOW // 3)
+    assert store.acceptance("p")[0] == pytest.approx(0.6 + 0.3 / 4)
+    store.forget("p")
+    assert store.acceptance("p") == (autotune.PRIOR_A, autotune.PRIOR_R)
     store.observe_scales("k", 0.5, verify_overlap=1.4, build_overlap=1.2, sd_draft_scale=2.0,
                          round_spread=0.2)
     got = store.costs("k")
@@ -196,15 +203,21 @@ def test_engine_chooses_settings_and_stays_exact(tiny_llama, tmp_path):
     assert given.settings["predicted_tok_s"] == pytest.approx(want)
     store = TuneStore(tmp_path / "autotune.json")
     assert store.acceptance("model|model")[0] != autotune.PRIOR_A
-    # Learning weighs the evidence: a run of 50+ rounds moves the stored acceptance 90% of
-    # the way to its own, a run of 10 rounds 20%.
+    # Learning weighs the evidence: a run's rounds against the rounds the store holds (at
+    # most the window). After forget_acceptance a run stands alone; against a full window, a
+    # run of 10 rounds moves the stored figure by 10 / (window + 10).
     from ssd_jax.core.metrics import RunMetrics
-    for rounds, weight in ((400, 0.9), (10, 0.2)):
-        store.observe("model|model", 0.2, weight=1.0)
-        m = RunMetrics("ssd", 1, accept_hist=[0, 0, rounds], k=2)  # all accepted: a = 0.98
-        llm.core.learn("ssd", m)
-        got = store.acceptance("model|model")[0]
-        assert got == pytest.approx(0.2 + weight * (0.98 - 0.2), abs=1e-6)
+    W = autotune.ACCEPT_WINDOW
+    m = RunMetrics("ssd", 1, accept_hist=[0, 0, 10], k=2)  # all accepted: a = 0.98
+    llm.core.forget_acceptance()
+    assert store.acceptance("model|model")[0] == autotune.PRIOR_A
+    llm.core.learn("ssd", m)
+    assert store.acceptance("model|model")[0] == pytest.approx(0.98)
+    llm.core.forget_acceptance()
+    store.observe("model|model", 0.2, rounds=W)
+    llm.core.learn("ssd", m)
+    got = store.acceptance("model|model")[0]
+    assert got == pytest.approx(0.2 + 10 / (W + 10) * (0.98 - 0.2), abs=1e-6)
     # A greedy SSD run timed per round teaches the hit model's r and the overlap factors of
     # its step costs (here one process, phases apart: whatever they measure, not the prior);
     # an SD run its drafting's multiple of the draft's step cost.
