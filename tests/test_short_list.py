@@ -53,11 +53,13 @@ def test_cut_head_gives_the_listed_columns(tied):
     assert model.lm_head is None if tied else model.lm_head.kernel.shape == (32, 50)
 
 
-# The worker processes are what the real pair runs with a short list (--draft-vocab); one
-# process (3 min of the default run with both) is in `make test-slow`, and the sampled tests
-# below run the short list in one process.
+# The worker processes are what the real pair runs with a short list (--draft-vocab). Both
+# drivers (2-2.5 min each on two cores) are in `make test-slow`; the default run keeps the
+# cut head (above), the short list end to end in the sampled tests below, greedy exactness
+# with a draft over part of the vocabulary (test_ssd's VocabMap, which ShortList extends) and
+# the worker processes' (test_multiprocess).
 @pytest.mark.parametrize("driver", [pytest.param("single", marks=pytest.mark.slow),
-                                    "processes"])
+                                    pytest.param("processes", marks=pytest.mark.slow)])
 def test_greedy_with_short_list_equals_ar(driver):
     """SmolLM2 drafting for itself with its head cut to 1,000 tokens: every target token
     outside the list is a rejection, so acceptance is partial; output is still AR's."""
