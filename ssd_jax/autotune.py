@@ -408,7 +408,7 @@ class TuneStore:
         entry = self._read().get("pairs", {}).get(pair, {})
         return entry.get("a", PRIOR_A), entry.get("r", PRIOR_R)
 
-    def observe(self, pair: str, a: float, r: float | None = None, rounds: int = 50) -> None:
+    def observe(self, pair: str, a: float, r: float | None = None, *, rounds: int) -> None:
         """Fold a run of `rounds` rounds into the stored acceptance a (and the hit model's r):
         its weight is its rounds over the rounds held (at most ACCEPT_WINDOW) plus its own.
         After forget(), runs pool by their rounds until the window fills; then the last
