@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from ssd_jax.loading import load
+from ssd_jax.loading import gguf_loader, load
 from ssd_jax.loading.weights import named_weights
 from ssd_jax.models import causal_mask
 from ssd_jax.core.runner import ModelRunner
@@ -261,6 +261,36 @@ def test_weights_equal_independent_dequantisation(tiny):
     for name, want in expected.items():
         np.testing.assert_allclose(ours[name], want, rtol=1e-6, atol=1e-7, err_msg=name)
     assert model.config.tie_embeddings == tied
+
+
+def test_slices_of_a_few_rows_load_the_same_floats(tiny, monkeypatch):
+    """The loader dequantises a slice of rows at a time (and the Linears straight into their
+    transposed layout): with slices of 2-3 rows and a ragged last slice, still the known floats."""
+    path, expected, *_ = tiny
+    monkeypatch.setattr(gguf_loader, "DEQUANT_CHUNK", 600)
+    ours = dict(named_weights(load(path)[0]))
+    for name, want in expected.items():
+        np.testing.assert_allclose(ours[name], want, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_tensor_views_equal_the_gguf_packages(tiny):
+    """Our memory-mapped tensor views (from our own header reader): the gguf package's reader
+    sees the same names, types and bytes."""
+    path, *_ = tiny
+    theirs = gguf.GGUFReader(str(path)).tensors
+    ours = gguf_loader.open_gguf(path)
+    assert [(t.name, t.tensor_type) for t in ours] == [(t.name, t.tensor_type) for t in theirs]
+    for a, b in zip(ours, theirs):
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+        np.testing.assert_array_equal(a.data, b.data, err_msg=a.name)
+
+
+def test_a_truncated_file_is_one_clear_error(tiny, tmp_path):
+    path, *_ = tiny
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ValueError, match="ends inside tensor .*download complete"):
+        gguf_loader.open_gguf(cut)
 
 
 def test_qkv_biases_present_and_nonzero(tiny):

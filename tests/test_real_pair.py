@@ -9,6 +9,7 @@ one model at a time (the 1.5B in fp32 is ~6 GB per framework, more while loading
 import collections
 import gc
 
+import gguf
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -131,7 +132,7 @@ def _strings(rendered_templates: list[str]) -> list[str]:
 def tokenizers(request):
     """Ours and transformers' tokenizer of one packaged file (no model weights loaded)."""
     path = _gguf(request.param)
-    ours = from_gguf_metadata(read_metadata(gguf_loader.open_gguf(path)))
+    ours = from_gguf_metadata(read_metadata(gguf.GGUFReader(str(path))))
     return ours, _hf_tokenizer(path)
 
 
@@ -236,7 +237,7 @@ def test_weights_match_independent_dequantisation(pair):
     tensors of every quantised type, decoded by the numpy decoder of tests/oracles.py: equal to
     ours."""
     from tests.oracles import BLOCKS, dequantize
-    reader = gguf_loader.open_gguf(pair["path"])
+    reader = gguf.GGUFReader(str(pair["path"]))  # the package's reader: an oracle
     last = pair["llm"].model.config.num_layers - 1
     whole = ("blk.0.", f"blk.{last}.", "token_embd.", "output.", "output_norm.")
     picked, seen = {}, collections.Counter()

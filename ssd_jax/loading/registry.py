@@ -25,12 +25,12 @@ def smollm2_gguf(cache_dir: Path | None = None) -> Path:
 
 def load_gguf(path: Path, *, dtype: str = "float32", progress: bool = False):
     config, tokenizer = describe_gguf(path, dtype=dtype)
-    reader = gguf_loader.open_gguf(Path(path))
-    weights = gguf_loader.iter_gguf_weights(reader, config)
+    tensors = gguf_loader.open_gguf(Path(path))
+    weights = gguf_loader.iter_gguf_weights(tensors, config)
     if progress:
-        weights = _progress(weights, len(reader.tensors), f"dequantising {path.name}")
+        weights = _progress(weights, len(tensors), f"dequantising {path.name}")
     model = build_model(config, weights)
-    del reader, weights
+    del tensors, weights
     _release_freed_memory()
     return model, tokenizer
 
