@@ -29,7 +29,7 @@ def load_gguf(path: Path, *, dtype: str = "float32", progress: bool = False):
     weights = gguf_loader.iter_gguf_weights(tensors, config)
     if progress:
         weights = _progress(weights, len(tensors), f"dequantising {path.name}")
-    model = build_model(config, weights)
+    model = build_model(config, weights, owned=True)  # fresh arrays, aligned: kept uncopied
     del tensors, weights
     _release_freed_memory()
     return model, tokenizer

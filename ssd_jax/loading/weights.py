@@ -44,10 +44,11 @@ def aligned_empty(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
     return buf[start:start + nbytes].view(dtype).reshape(shape)
 
 
-def _to_device(array: np.ndarray, dtype) -> jax.Array:
-    """A freshly loaded array onto the default device; zero-copy where jax can alias it (the
-    caller hands over the array and never writes to it again)."""
-    if array.dtype == dtype:
+def _to_device(array: np.ndarray, dtype, owned: bool) -> jax.Array:
+    """An array onto the default device. `owned`: the loader made it and hands it over, never
+    to write to it again, so jax may keep it without a copy (device_put aliases an aligned
+    array on CPU; jnp.asarray copies)."""
+    if owned and array.dtype == dtype:
         return jax.device_put(array)
     return jnp.asarray(array, dtype=dtype)
 
@@ -66,8 +67,9 @@ def _transposed(array: np.ndarray, rows: int = 256) -> np.ndarray:
 
 
 def build_model(config: ModelConfig, weights: Iterable[tuple[str, np.ndarray]],
-                *, progress=None) -> Transformer:
-    """Fill an abstract model from (HF name, array) pairs; every parameter must be provided."""
+                *, progress=None, owned: bool = False) -> Transformer:
+    """Fill an abstract model from (HF name, array) pairs; every parameter must be provided.
+    `owned`: the arrays are fresh and handed over (the model may keep them uncopied)."""
     model = abstract_model(config)
     dtype = jnp.dtype(config.dtype)
     for name, array in weights:
@@ -84,7 +86,7 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, np.ndarray]],
         if tuple(array.shape) != tuple(param.get_value().shape):
             raise ValueError(f"checkpoint tensor {name!r} has shape {array.shape}, the model "
                              f"expects {tuple(param.get_value().shape)}: config and weights disagree")
-        param.set_value(_to_device(array, dtype))
+        param.set_value(_to_device(array, dtype, owned))
         if progress is not None:
             progress(name)
     missing = [".".join(map(str, path)) for path, leaf in nnx.to_flat_state(nnx.state(model))
