@@ -264,8 +264,8 @@ def test_weights_equal_independent_dequantisation(tiny):
 
 
 def test_slices_of_a_few_rows_load_the_same_floats(tiny, monkeypatch):
-    """The loader dequantises a slice of rows at a time (and the Linears straight into their
-    transposed layout): with slices of 2-3 rows and a ragged last slice, still the known floats."""
+    """The loader dequantises a slice of rows at a time: with slices of 2-3 rows and a ragged
+    last slice, still the known floats."""
     path, expected, *_ = tiny
     monkeypatch.setattr(gguf_loader, "DEQUANT_CHUNK", 600)
     ours = dict(named_weights(load(path)[0]))

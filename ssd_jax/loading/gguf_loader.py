@@ -186,38 +186,30 @@ def config_from_gguf(meta: dict, tensor_names: set[str], *, dtype: str = "float3
 DEQUANT_CHUNK = 1 << 20
 
 
-def dequantize(data: np.ndarray, tensor_type, *, transposed: bool = False) -> np.ndarray:
-    """A GGUF tensor's raw blocks -> a fresh float32 array, a slice of rows at a time.
+def dequantize(data: np.ndarray, tensor_type) -> np.ndarray:
+    """A GGUF tensor's raw blocks -> a fresh, 64-byte-aligned float32 array, a slice of rows at
+    a time.
 
     A copy, always: an F32 tensor comes back as a view of the memory-mapped file, and JAX on
-    CPU may alias it, which would keep the whole file mapped (and resident) for good.
-    `transposed`: the array is the .T view of a contiguous [cols, rows] buffer, so a Linear's
-    [in, out] kernel is one more .T away, with no second pass over the weights."""
+    CPU may alias it, which would keep the whole file mapped (and resident) for good."""
     import gguf
     from ssd_jax.loading.weights import aligned_empty
     if data.ndim != 2 or data.shape[0] <= 1:
         return np.array(gguf.quants.dequantize(data, tensor_type), dtype=np.float32, copy=True)
     cols = gguf.quants.dequantize(data[:1], tensor_type).shape[1]
-    out = aligned_empty((cols, data.shape[0]) if transposed else (data.shape[0], cols))
+    out = aligned_empty((data.shape[0], cols))
     rows = max(1, DEQUANT_CHUNK // cols)
     for i in range(0, data.shape[0], rows):
-        chunk = gguf.quants.dequantize(data[i:i + rows], tensor_type)
-        if transposed:
-            out[:, i:i + rows] = chunk.T
-        else:
-            out[i:i + rows] = chunk
-    return out.T if transposed else out
+        out[i:i + rows] = gguf.quants.dequantize(data[i:i + rows], tensor_type)
+    return out
 
 
 def iter_gguf_weights(tensors: list[GGUFTensor], config: ModelConfig):
     """(HF name, float32 array) pairs, dequantised, with llama's q/k permutation undone."""
-    from ssd_jax.loading.weights import LINEAR_SUFFIXES
     for t in tensors:
+        w = dequantize(t.data, t.tensor_type)
         name = hf_name(t.name)
-        permuted = config.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight"))
-        w = dequantize(t.data, t.tensor_type,
-                       transposed=name.endswith(LINEAR_SUFFIXES) and not permuted)
-        if permuted:
+        if config.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads
             w = unpermute_qk(w, heads)
         yield name, w

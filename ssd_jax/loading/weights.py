@@ -12,7 +12,7 @@ from ssd_jax.config import ModelConfig
 from ssd_jax.models.transformer import Transformer
 
 # HF stores Linear weights [out, in]; nnx.Linear keeps its kernel [in, out].
-LINEAR_SUFFIXES = ("_proj.weight", "lm_head.weight")
+_LINEAR_SUFFIXES = ("_proj.weight", "lm_head.weight")
 
 
 def abstract_model(config: ModelConfig) -> Transformer:
@@ -54,10 +54,9 @@ def _to_device(array: np.ndarray, dtype, owned: bool) -> jax.Array:
 
 
 def _transposed(array: np.ndarray, rows: int = 256) -> np.ndarray:
-    """array.T, contiguous, a band of rows at a time: handing jax a transposed view makes it
-    copy element by element (~8x slower; 5 s for Qwen's 150k x 1536 head here)."""
-    if array.T.flags.c_contiguous:  # the loader dequantised it transposed already
-        return array.T
+    """array.T, contiguous and 64-byte aligned, a band of rows at a time: handing jax a
+    transposed view makes it copy element by element (~8x slower; 5 s for Qwen's 150k x 1536
+    head here)."""
     if array.ndim != 2:
         return np.ascontiguousarray(array.T)
     out = aligned_empty(array.shape[::-1], array.dtype)
