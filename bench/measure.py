@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+PROBES = 3  # k=auto: untimed probes of a cell's workload, at most (Cells.probe)
+
 
 @dataclass(frozen=True)
 class Point:
@@ -129,14 +131,25 @@ class Cells:
         0.79-0.85, and the first 32 tokens of every answer read 0.90 where whole ones give
         0.86-0.87 (the start of an answer is easier to guess). What earlier runs taught
         (another suite, the warm-up's first prompt) is dropped first, so the choice sees the
-        whole workload's acceptance, every prompt by its length."""
+        whole workload's acceptance, every prompt by its length.
+        What a probe teaches at one cell carries to another only roughly (the hit model's r,
+        the overlap of the two sides): on code a probe taught r = 1.12, promising the cell it
+        then chose a hit rate of 0.90 (+18% tok/s); that cell hit 0.81, and its own answers
+        taught r = 0.80. So a probe that moves the choice runs again at the new one, up to
+        PROBES times in all, and the cell is timed where the last probe ran (unless the
+        choice still moved)."""
         if point.k is not None or mode == "ar":
             return
         probe, _ = self.pin(mode, point)
-        self.llm.core.forget_acceptance()
-        for b in self._batches(ids, point):
-            self.llm.generate([ids[i] for i in b], [params[i] for i in b], mode=mode,
-                              chat=False, spec=probe.spec())
+        for _ in range(PROBES):
+            self.llm.core.forget_acceptance()
+            for b in self._batches(ids, point):
+                self.llm.generate([ids[i] for i in b], [params[i] for i in b], mode=mode,
+                                  chat=False, spec=probe.spec())
+            chosen, _ = self.pin(mode, point)
+            if chosen == probe:
+                return
+            probe = chosen
 
     def prepare(self, mode: str, suite: str, point: Point, ids) -> "Pending":
         """A cell ready to time: probed and pinned (k=auto), its shapes compiled."""
@@ -146,6 +159,8 @@ class Cells:
         warm_s = self.warmup(mode, point, ids, params)
         agg = Agg(point.for_mode(mode), self.driver(mode))
         agg.chosen = chosen
+        if mode == "ar":  # AR has no settings to choose: the model's speed for it, if costed
+            agg.predicted = self.llm.core.ar_prediction(1 << (point.batch - 1).bit_length())
         return Pending(mode, suite, point, ids, params, agg, warm_s)
 
     def run(self, mode: str, suite: str, point: Point, ids, desc: str = "") -> dict:
@@ -160,8 +175,12 @@ class Cells:
         batch 1 of every cell, then batch 2, ..., the order rotating by one each time. Every
         cell is probed, pinned and compiled first. A machine whose speed drifts over the run
         (these VMs: 10-25% within an hour; one setting ran 15% apart in two sweeps) then
-        slows every cell alike, and the cells' ratios are the machine's, not the hour's."""
-        pending = [self.prepare(*job) for job in jobs]
+        slows every cell alike, and the cells' ratios are the machine's, not the hour's.
+        AR cells are prepared last: their prediction then has the target's steps as the
+        speculative cells' probes ran them (StepCosts.target_scale)."""
+        order = sorted(range(len(jobs)), key=lambda i: jobs[i][0] == "ar")
+        prepared = {i: self.prepare(*jobs[i]) for i in order}
+        pending = [prepared[i] for i in range(len(jobs))]
         batches = [self._batches(p.ids, p.point) for p in pending]
         for j in range(max(len(b) for b in batches)):
             for n in range(len(pending)):
@@ -209,6 +228,7 @@ class Agg:
         self.ttft, self.hist = [], None
         self.settings: dict | None = None  # what the engine ran
         self.chosen: dict | None = None  # k=auto: the engine's choice, pinned for the cell
+        self.predicted: float | None = None  # AR: the speed model's tok/s
         self.hit = self.miss = None
         self.all_hit_w = 0.0
 
@@ -266,6 +286,8 @@ class Agg:
         return dict(
             mode=mode, suite=suite, **point, driver=self.driver,
             settings=self.chosen or self.settings, automatic=self.chosen is not None,
+            predicted_tok_s=self.predicted if mode == "ar" else
+            (self.chosen or self.settings or {}).get("predicted_tok_s"),
             num_prompts=n, decode_tokens=int(self.decode_tokens), decode_s=self.decode_s,
             decode_tok_s=self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0,
             ttft_ms=1e3 * float(np.mean(self.ttft)),

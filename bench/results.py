@@ -132,7 +132,7 @@ def detail_table(results: dict) -> str:
     lines = [head, "|" + "---|" * 17]
     for c in results["cells"]:
         ssd, pred, eq = c.get("ssd"), c.get("prediction"), c.get("matches_ar")
-        start = (c.get("settings") or {}).get("predicted_tok_s")
+        start = c.get("predicted_tok_s", (c.get("settings") or {}).get("predicted_tok_s"))
         lines.append("| " + " | ".join([
             c["suite"], LABELS.get(c["mode"], c["mode"]), _f(c["k"], "{}"),
             _f(c["budget"] or (2 * (c["k"] + 1) if c["budget"] is not None else None), "{}"),

@@ -10,7 +10,8 @@ Acceptance a and the hit model's miss exponent r come from this pair's earlier r
 greedy SSD runs' hit rates, miss_exponent), stored in the same file; priors until then. SSD
 runs also say how much slower verification and the build run beside each other than alone
 (StepCosts.verify_overlap, build_overlap), SD runs how much more a round's drafting costs than
-K draft(1) (sd_draft_scale); all kept with the step costs.
+K draft(1) (sd_draft_scale), AR and SD runs how much slower the target's steps run in a decode
+than timed alone (target_scale); all kept with the step costs.
 
 For each (K, M), with P(k) the capped-geometric accept-length law in a and F the engine's
 theorem fan-out of M over the K+1 outcomes (fanout.py):
@@ -24,7 +25,8 @@ theorem fan-out of M over the K+1 outcomes (fanout.py):
   SSD tok/s = B E / (t_v [p_B w + (1 - p_B)(1 + t_backup / t_v)])  (speed.py), where a hit
   round lasts w = E[max(1, t_build / t_v + noise)] verifications, the noise the rounds' spread
   (StepCosts.round_spread; with none, w = max(1, t_build / t_v) as the paper has it)
-  SD tok/s  = B E / (K draft(1) sd_draft_scale + target(K+1)),   AR tok/s = B / target(1)
+  SD tok/s  = B E / (K draft(1) sd_draft_scale + target(K+1) target_scale),
+  AR tok/s  = B / (target(1) target_scale)
 A sampled SSD run replaces the hit model (and scales a) with the pair's measured response to
 Saguaro's C (saguaro_curve.py), and C joins K, M and the backup in the search.
 """
@@ -53,6 +55,10 @@ PRIOR_A, PRIOR_R = 0.7, 1.5
 # Rounds of evidence the stored acceptance (and r) stand for: about eight 96-token answers at
 # K=3. Within it, runs count by their rounds (a pooled mean); past it, older runs fade.
 ACCEPT_WINDOW = 240
+# The same for the learnt multiples of the step costs (StepCosts' scales), in rounds (AR:
+# steps). Not a fixed weight per run: at 0.6 a 96-token answer, the last answer or two set
+# SSD's verify_overlap (1.27 after a probe, 1.33-1.37 a few answers later on the same cell).
+SCALE_WINDOW = 240
 FAST_E_MISS = 1.2  # tokens per round after an n-gram guess (rarely accepted)
 
 
@@ -74,6 +80,12 @@ class StepCosts:
     # later is more than the later of the means: a build that takes as long as the verification
     # on average exposes ~0.4 spread a round (expected_wait). Learnt from SSD runs; 0 until then.
     round_spread: float = 0.0
+    # The target's steps in a decode (AR's steps, SD's verification) against the same forwards
+    # timed at start-up: a decode meets the machine's bursts of interference that a median of
+    # 7 forwards does not see (this VM's steal time: one answer's steps ran 186-303 ms, median
+    # 204, mean ~10% above it), and the loop's per-step sampling and exchange. Learnt from AR
+    # and SD runs; 1 until then. SSD's verify_overlap, learnt from its own rounds, holds it.
+    target_scale: float = 1.0
 
     def draft_at(self, t: int) -> float:
         """Linear between measured token counts (forward cost grows ~linearly in T here)."""
@@ -139,8 +151,8 @@ def predict(costs: StepCosts, k: int, m: int, *, a: float, r: float, batch: int,
     return dict(hit_rate=p, tokens_per_round=e, fanout=[int(x) for x in fan], a=a,
                 ssd=batch * speedup / t_v,
                 sd=batch * e_sd / (k * costs.draft_at(1) * costs.sd_draft_scale
-                                   + costs.target[k + 1]),
-                ar=batch / costs.target[1])
+                                   + costs.target[k + 1] * costs.target_scale),
+                ar=batch / (costs.target[1] * costs.target_scale))
 
 
 def expected_wait(ratio: float, spread: float) -> float:
@@ -230,6 +242,15 @@ def sd_draft_scale_of_run(costs: StepCosts, k: int, draft_rounds: Sequence[float
     if len(draft_rounds) < 8:
         return None
     return float(np.clip(per_round(draft_rounds) / (k * costs.draft_at(1)), 0.5, 3.0))
+
+
+def target_scale_of_run(costs: StepCosts, tokens: int, step_seconds: Sequence[float]
+                        ) -> float | None:
+    """A run's target steps scoring `tokens` tokens a row (AR: 1; SD's verification: K+1)
+    as a multiple of target(tokens) (per_round)."""
+    if len(step_seconds) < 8 or tokens not in costs.target:
+        return None
+    return float(np.clip(per_round(step_seconds) / costs.target[tokens], 0.5, 3.0))
 
 
 def miss_exponent(a: float, fan: Sequence[int], hit: float) -> float:
@@ -382,23 +403,29 @@ class TuneStore:
         return StepCosts({int(t): s for t, s in entry["target"].items()},
                          {int(t): s for t, s in entry["draft"].items()},
                          entry.get("verify_overlap", 1.0), entry.get("build_overlap", 1.0),
-                         entry.get("sd_draft_scale", 1.0), entry.get("round_spread", 0.0))
+                         entry.get("sd_draft_scale", 1.0), entry.get("round_spread", 0.0),
+                         entry.get("target_scale", 1.0))
 
     def save_costs(self, key: str, costs: StepCosts, note: str) -> None:
         data = self._read()
         data.setdefault("costs", {})[key] = dict(asdict(costs), note=note)
         self._write(data)
 
-    def observe_scales(self, key: str, weight: float, **scales: float) -> None:
-        """Blend a run's measured multiples of the step costs (StepCosts.verify_overlap,
-        build_overlap, sd_draft_scale) into the costs stored at `key`."""
+    def observe_scales(self, key: str, *, rounds: int, **scales: float) -> None:
+        """Fold a run's measured multiples of the step costs (StepCosts.verify_overlap,
+        build_overlap, sd_draft_scale, round_spread, target_scale) into the costs stored at
+        `key`, as observe folds acceptance: a run of `rounds` rounds weighs rounds over the
+        rounds held (at most SCALE_WINDOW) plus its own; the first run after the costs were
+        measured stands alone."""
         data = self._read()
         entry = data.get("costs", {}).get(key)
         if entry is None:
             return
         for name, x in scales.items():
-            entry[name] = _blend(entry.get(name, StepCosts.__dataclass_fields__[name].default),
-                                 x, weight)
+            count = f"rounds_{name}"
+            held = min(entry.get(count, 0), SCALE_WINDOW)
+            entry[name] = _blend(entry.get(name) if held else None, x, rounds / (held + rounds))
+            entry[count] = held + rounds
         self._write(data)
 
     def saguaro(self, key: str):

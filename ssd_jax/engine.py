@@ -468,18 +468,20 @@ class Engine:
         acceptance moves with the kind of prompt: code 0.88, chat 0.65 on the Qwen pair, and
         from prompt to prompt). An SSD run also teaches the hit model's r (from a
         greedy run's hit rate: the model with the prior r said 0.88 where code hit 0.77) and
-        how much slower its two sides ran side by side than alone, an SD run its drafting
-        (_learn_scales).
+        how much slower its two sides ran side by side than alone, an SD run its drafting,
+        AR and SD runs their target steps (_learn_scales).
         `greedy`: every row of the run was greedy."""
+        if mode == "ar":
+            self._learn_ar_scale(metrics)
+            return
         rounds = sum(metrics.accept_hist)
-        if mode == "ar" or rounds < 8:
+        if rounds < 8:
             return
         a = autotune.acceptance_from_rounds(metrics.accept_hist)
-        weight = min(0.9, rounds / 50)
         s = metrics.settings or {}
         r = None
         if mode == "sd" or metrics.ssd is not None:
-            self._learn_scales(mode, metrics, weight)
+            self._learn_scales(mode, metrics)
         if mode == "ssd" and metrics.ssd is not None:
             fan = metrics.ssd.fanout or s.get("fanout_lists")
             # Each row's first round misses by construction (no cache yet: draft.empty_cache),
@@ -504,10 +506,34 @@ class Engine:
         alone (a bench probing a new workload; a server whose traffic changed kind)."""
         autotune.TuneStore(autotune.store_path(self.cache_dir)).forget(self._pair)
 
-    def _learn_scales(self, mode: str, metrics: RunMetrics, weight: float) -> None:
+    def _learn_ar_scale(self, metrics: RunMetrics) -> None:
+        """An AR run's steps against target(1) (autotune.target_scale_of_run), where step
+        costs are stored for its batch and split; its steps are not timed one by one, so each
+        counts at the run's mean."""
+        steps = metrics.decode_steps
+        if steps < 8 or metrics.decode_s <= 0:
+            return
+        key = self._cost_key("ar", 1 << (metrics.batch - 1).bit_length())[0]
+        store = autotune.TuneStore(autotune.store_path(self.cache_dir))
+        costs = store.costs(key)
+        if costs is None:
+            return
+        got = autotune.target_scale_of_run(costs, 1, [metrics.decode_s / steps] * steps)
+        if got is not None:
+            store.observe_scales(key, rounds=steps, target_scale=got)
+
+    def ar_prediction(self, rows: int) -> float | None:
+        """The speed model's AR tok/s for a run of `rows` (padded) rows, where step costs are
+        stored for it (they are measured for automatic settings, not for AR)."""
+        costs = autotune.TuneStore(autotune.store_path(self.cache_dir)).costs(
+            self._cost_key("ar", rows)[0])
+        return None if costs is None else rows / (costs.target[1] * costs.target_scale)
+
+    def _learn_scales(self, mode: str, metrics: RunMetrics) -> None:
         """A run whose phases were timed per round (worker processes always are) against the
         stored step costs of its batch and split: SSD's verification and build side by side
-        (autotune.overlap_of_run), SD's drafting (autotune.sd_draft_scale_of_run)."""
+        (autotune.overlap_of_run), SD's drafting (autotune.sd_draft_scale_of_run) and
+        verification (autotune.target_scale_of_run)."""
         s = metrics.settings or {}
         if not metrics.verify_rounds or "rows" not in s:
             return
@@ -516,12 +542,13 @@ class Engine:
         costs = store.costs(key)
         if costs is None:  # settings given by the caller: nothing measured to compare with
             return
+        weight = dict(rounds=len(metrics.verify_rounds))
         if mode == "ssd":
             got = autotune.overlap_of_run(costs, s["k"], s["budget"], s["backup"],
                                           metrics.ssd.all_hit_rate, metrics.verify_rounds,
                                           metrics.ssd.build_rounds)
             if got is not None:
-                store.observe_scales(key, weight, verify_overlap=got[0], build_overlap=got[1])
+                store.observe_scales(key, **weight, verify_overlap=got[0], build_overlap=got[1])
             # The wait after verification is the overlap's remainder only where the two sides
             # run apart (worker processes, a pod); in one process it holds the whole build.
             spread = (autotune.spread_of_run(
@@ -529,11 +556,14 @@ class Engine:
                 metrics.ssd.build_rounds, metrics.ssd.exposed_s / max(metrics.decode_steps, 1))
                 if self.driver(mode) != "single" else None)
             if spread is not None:
-                store.observe_scales(key, weight, round_spread=spread)
+                store.observe_scales(key, **weight, round_spread=spread)
         else:
             got = autotune.sd_draft_scale_of_run(costs, s["k"], metrics.draft_rounds)
             if got is not None:
-                store.observe_scales(key, weight, sd_draft_scale=got)
+                store.observe_scales(key, **weight, sd_draft_scale=got)
+            got = autotune.target_scale_of_run(costs, s["k"] + 1, metrics.verify_rounds)
+            if got is not None:
+                store.observe_scales(key, **weight, target_scale=got)
 
     def settings(self, mode: str, rows: int, spec: SpecConfig,
                  sampling: SamplingParams | None = None) -> tuple[SpecConfig, dict | None]:

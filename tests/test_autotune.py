@@ -62,6 +62,13 @@ def test_overlap_slows_ssd_alone():
                    backup="fast")
     assert slow["ssd"] < alone["ssd"] and slow["sd"] < alone["sd"]
     assert fast["ssd"] == predict(costs, 2, 6, a=0.8, r=1.5, batch=1, backup="fast")["ssd"]
+    # The target's decode-time scale slows AR and SD's verification by hand; SSD's
+    # verification has its own learnt multiple (verify_overlap) and keeps it.
+    scaled = predict(replace(costs, target_scale=1.2), 2, 6, a=0.8, r=1.5, batch=1)
+    assert scaled["ar"] == pytest.approx(1 / (1.2 * costs.target[1]))
+    e = alone["tokens_per_round"]
+    assert scaled["sd"] == pytest.approx(e / (2 * costs.draft_at(1) + 1.2 * costs.target[3]))
+    assert scaled["ssd"] == alone["ssd"]
 
 
 def test_overlap_of_a_run_is_robust_to_a_compile():
@@ -165,12 +172,25 @@ def test_store_keeps_costs_and_blends_acceptance(tmp_path):
     assert store.acceptance("p")[0] == pytest.approx(0.6 + 0.3 / 4)
     store.forget("p")
     assert store.acceptance("p") == (autotune.PRIOR_A, autotune.PRIOR_R)
-    store.observe_scales("k", 0.5, verify_overlap=1.4, build_overlap=1.2, sd_draft_scale=2.0,
-                         round_spread=0.2)
+    # Learnt scales pool by rounds as acceptance does; the first run after the costs were
+    # measured stands alone (not blended with the prior 1.0).
+    store.observe_scales("k", rounds=30, verify_overlap=1.4, build_overlap=1.2,
+                         sd_draft_scale=2.0, round_spread=0.2, target_scale=1.1)
     got = store.costs("k")
-    assert (got.verify_overlap, got.build_overlap, got.sd_draft_scale,
-            got.round_spread) == pytest.approx((1.2, 1.1, 1.5, 0.1))  # spread's prior: 0
+    assert (got.verify_overlap, got.build_overlap, got.sd_draft_scale, got.round_spread,
+            got.target_scale) == pytest.approx((1.4, 1.2, 2.0, 0.2, 1.1))
     assert got.target == costs.target
+    store.observe_scales("k", rounds=10, verify_overlap=1.0)
+    assert store.costs("k").verify_overlap == pytest.approx(1.3)
+    assert store.costs("k").build_overlap == pytest.approx(1.2)
+    W = autotune.SCALE_WINDOW
+    for _ in range(20):
+        store.observe_scales("k", rounds=W, verify_overlap=1.2)
+    store.observe_scales("k", rounds=W // 3, verify_overlap=1.6)
+    assert store.costs("k").verify_overlap == pytest.approx(1.2 + 0.4 / 4)
+    store.save_costs("k", costs, note="measured afresh")  # new costs: what runs taught goes
+    store.observe_scales("k", rounds=5, verify_overlap=1.5)
+    assert store.costs("k").verify_overlap == pytest.approx(1.5)
 
 
 def test_engine_chooses_settings_and_stays_exact(tiny_llama, tmp_path):
@@ -222,7 +242,8 @@ def test_engine_chooses_settings_and_stays_exact(tiny_llama, tmp_path):
     # its step costs (here one process, phases apart: whatever they measure, not the prior);
     # an SD run its drafting's multiple of the draft's step cost.
     long = SamplingParams(max_new_tokens=80, ignore_eos=True)
-    for mode, names in (("ssd", ("verify_overlap", "build_overlap")), ("sd", ("sd_draft_scale",))):
+    for mode, names in (("ssd", ("verify_overlap", "build_overlap")),
+                        ("sd", ("sd_draft_scale", "target_scale"))):
         m = llm.generate(prompts, long, mode=mode, sync_phases=True)[0].metrics
         assert len(m.verify_rounds) == m.decode_steps >= 8
         assert len(m.ssd.build_rounds if mode == "ssd" else m.draft_rounds) == m.decode_steps
@@ -233,6 +254,17 @@ def test_engine_chooses_settings_and_stays_exact(tiny_llama, tmp_path):
             assert entry["round_spread"] == 0.0
             assert m.ssd.rounds >= 20 * len(prompts)
             assert "r" in store._read()["pairs"]["model|model"]
+    # An AR run teaches the target's decode-time scale from its steps (costs measured afresh:
+    # it stands alone), and the model's AR speed for the batch has it.
+    key = llm.core._cost_key("ar", 2)[0]
+    store.save_costs(key, store.costs(key), note="afresh")
+    m = llm.generate(prompts, long, mode="ar")[0].metrics
+    entry = store._read()["costs"][key]
+    assert entry["rounds_target_scale"] == m.decode_steps >= 8
+    assert entry["target_scale"] == pytest.approx(
+        np.clip(m.decode_s / m.decode_steps / entry["target"]["1"], 0.5, 3.0))
+    assert llm.core.ar_prediction(2) == pytest.approx(
+        2 / (entry["target"]["1"] * entry["target_scale"]))
 
 
 def test_cached_costs_are_per_xla_flags_but_not_per_device_count(monkeypatch):

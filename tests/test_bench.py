@@ -1,6 +1,7 @@
 """The bench CLI (CI smoke): every mode plus the transformers peers on a tiny random HF pair,
 2 prompts x 16 tokens, through main(); the JSON schema; greedy outputs equal across modes;
 prompt suites; bad flags; the HF export of a truncated-vocab draft; the README section."""
+import dataclasses
 import json
 import random
 import re
@@ -91,6 +92,9 @@ def test_automatic_k_with_a_grid_sweep_beside_it(pair, tmp_path, monkeypatch):
     assert {c["mode"] for c in auto} == {"sd", "ssd"}
     for c in auto:
         assert c["k"] >= 1 and c["settings"]["predicted_tok_s"] > 0
+        assert c["predicted_tok_s"] == c["settings"]["predicted_tok_s"]
+    # AR, prepared after the cells that measured step costs, has the model's prediction too.
+    assert next(c for c in res["cells"] if c["mode"] == "ar")["predicted_tok_s"] > 0
     grid = {(c["k"], c["budget"]) for c in res["cells"] if c["mode"] == "ssd"
             and not c.get("automatic")}
     assert grid == {(1, 2), (1, 6), (2, 6)}  # (2, 2) has fewer branches than K+1: skipped
@@ -103,8 +107,9 @@ def test_automatic_k_with_a_grid_sweep_beside_it(pair, tmp_path, monkeypatch):
 
 
 def test_interleaved_cells_take_turns(monkeypatch):
-    """--interleave: every cell is prepared (probed, pinned, compiled) before any is timed, then
-    batch j of every cell runs before batch j+1 of any, the first cell rotating."""
+    """--interleave: every cell is prepared (probed, pinned, compiled) before any is timed (AR
+    last, for its prediction), then batch j of every cell runs before batch j+1 of any, the
+    first cell rotating."""
     from bench import measure
     calls = []
 
@@ -127,10 +132,41 @@ def test_interleaved_cells_take_turns(monkeypatch):
                           temperature=0.0, top_p=1.0, batch=1)
     out = cells.run_interleaved([(m, "code", point, [[1], [2], [3]]) for m in ("ar", "sd", "ssd")])
     assert out == [dict(cell="ar"), dict(cell="sd"), dict(cell="ssd")]
-    assert calls[:3] == [("prepare", "ar"), ("prepare", "sd"), ("prepare", "ssd")]
+    assert calls[:3] == [("prepare", "sd"), ("prepare", "ssd"), ("prepare", "ar")]
     assert calls[3:] == [("ar", [0]), ("sd", [0]), ("ssd", [0]),
                          ("sd", [1]), ("ssd", [1]), ("ar", [1]),
                          ("ssd", [2]), ("ar", [2]), ("sd", [2])]
+
+
+def test_probe_runs_again_where_it_moved_the_choice(monkeypatch):
+    """k=auto: a probe that moves the engine's choice is run again at the new choice (what
+    a probe teaches at one cell carries to another only roughly), each time on what the
+    engine forgot first, until the choice holds or PROBES probes ran."""
+    from bench import measure
+    point = measure.Point(k=None, budget=None, fanout=None, c=None, backup=None,
+                          temperature=0.0, top_p=1.0, batch=1)
+    at = lambda k, m: dataclasses.replace(point, k=k, budget=m)
+
+    class Core:
+        def forget_acceptance(self):
+            calls.append("forget")
+
+    class LLM:
+        core = Core()
+
+        def generate(self, ids, params, mode, chat, spec):
+            calls.append((spec.k, spec.budget, len(ids)))
+
+    for choices, probed in (
+            ([at(3, 10), at(3, 10)], [(3, 10)]),  # the choice held: one probe
+            ([at(4, 8), at(3, 10), at(3, 10)], [(4, 8), (3, 10)]),
+            ([at(4, 8), at(3, 10), at(4, 8), at(3, 10)], [(4, 8), (3, 10), (4, 8)])):
+        calls, queue = [], list(choices)
+        monkeypatch.setattr(measure.Cells, "pin", lambda self, mode, p: (queue.pop(0), None))
+        cells = measure.Cells(LLM(), out_len=4, seed=0, ignore_eos=True, progress=False)
+        cells.probe("ssd", point, [[1], [2]], [None, None])
+        want = [x for km in probed for x in ("forget", (*km, 1), (*km, 1))]
+        assert calls == want and len(probed) <= measure.PROBES
 
 
 # ------------------------------------------------------------------ suites
