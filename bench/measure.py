@@ -122,6 +122,19 @@ class Cells:
         return dataclasses.replace(point, k=spec.k, budget=spec.budget, backup=spec.backup,
                                    fanout=spec.fanout, c=spec.c), settings
 
+    def predicted(self, mode: str, point: Point, chosen: dict | None) -> float | None:
+        """The speed model's tok/s for a pinned cell, fixed before it is timed (what the store
+        has learnt so far; None where it has no step costs for the cell): an automatic cell's
+        choice's, AR's from the target's step, given settings' at them (greedy cells only)."""
+        if chosen is not None:
+            return chosen.get("predicted_tok_s")
+        if mode == "ar":
+            return self.llm.core.ar_prediction(1 << (point.batch - 1).bit_length())
+        if point.temperature > 0:
+            return None
+        return (self.llm.settings(mode, rows=point.batch, spec=point.spec())[1] or {}).get(
+            "predicted_tok_s")
+
     def probe(self, mode: str, point: Point, ids, params) -> None:
         """k=auto: let the engine see this workload before it chooses, as a serving engine has
         seen the requests it serves (the acceptance it learns moves with the kind of prompt;
@@ -159,8 +172,7 @@ class Cells:
         warm_s = self.warmup(mode, point, ids, params)
         agg = Agg(point.for_mode(mode), self.driver(mode))
         agg.chosen = chosen
-        if mode == "ar":  # AR has no settings to choose: the model's speed for it, if costed
-            agg.predicted = self.llm.core.ar_prediction(1 << (point.batch - 1).bit_length())
+        agg.predicted = self.predicted(mode, point, chosen)
         return Pending(mode, suite, point, ids, params, agg, warm_s)
 
     def run(self, mode: str, suite: str, point: Point, ids, desc: str = "") -> dict:
@@ -228,7 +240,7 @@ class Agg:
         self.ttft, self.hist = [], None
         self.settings: dict | None = None  # what the engine ran
         self.chosen: dict | None = None  # k=auto: the engine's choice, pinned for the cell
-        self.predicted: float | None = None  # AR: the speed model's tok/s
+        self.predicted: float | None = None  # the speed model's tok/s, before timing
         self.hit = self.miss = None
         self.all_hit_w = 0.0
 
@@ -286,8 +298,7 @@ class Agg:
         return dict(
             mode=mode, suite=suite, **point, driver=self.driver,
             settings=self.chosen or self.settings, automatic=self.chosen is not None,
-            predicted_tok_s=self.predicted if mode == "ar" else
-            (self.chosen or self.settings or {}).get("predicted_tok_s"),
+            predicted_tok_s=self.predicted,
             num_prompts=n, decode_tokens=int(self.decode_tokens), decode_s=self.decode_s,
             decode_tok_s=self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0,
             ttft_ms=1e3 * float(np.mean(self.ttft)),

@@ -125,8 +125,9 @@ def summary_table(results: dict) -> str:
 
 def detail_table(results: dict) -> str:
     """Every cell. "tok/s predicted" is the start-up model's (autotune.predict, what an
-    automatic choice is made with; for given settings, the same model at them), "predicted vs
-    AR" the phase model's from the cell's own measured phases."""
+    automatic choice is made with; for given settings and AR, the same model at them), made
+    before the cell was timed; "predicted vs AR" the phase model's from the cell's own
+    measured phases."""
     head = ("| suite | mode | K | M | C | T | B | tok/s | tok/s predicted | TTFT ms | TPOT ms | "
             "tok/round | accept | hit rate | vs AR | predicted vs AR | = AR |")
     lines = [head, "|" + "---|" * 17]
