@@ -123,13 +123,16 @@ class Cells:
                                    fanout=spec.fanout, c=spec.c), settings
 
     def predicted(self, mode: str, point: Point, chosen: dict | None) -> float | None:
-        """The speed model's tok/s for a pinned cell, fixed before it is timed (what the store
-        has learnt so far; None where it has no step costs for the cell): an automatic cell's
-        choice's, AR's from the target's step, given settings' at them (greedy cells only)."""
+        """The speed model's tok/s for a pinned cell, fixed before it is timed and after its
+        untimed warm-up (what the store has learnt so far; None where it has no step costs for
+        the cell): an automatic cell's choice's, AR's from the target's step (measuring step
+        costs if none are stored; an AR warm-up answer teaches their decode-time multiple),
+        given settings' at them (greedy cells only)."""
         if chosen is not None:
             return chosen.get("predicted_tok_s")
         if mode == "ar":
-            return self.llm.core.ar_prediction(1 << (point.batch - 1).bit_length())
+            return self.llm.core.ar_prediction(1 << (point.batch - 1).bit_length(),
+                                               measure=True)
         if point.temperature > 0:
             return None
         return (self.llm.settings(mode, rows=point.batch, spec=point.spec())[1] or {}).get(
@@ -187,12 +190,8 @@ class Cells:
         batch 1 of every cell, then batch 2, ..., the order rotating by one each time. Every
         cell is probed, pinned and compiled first. A machine whose speed drifts over the run
         (these VMs: 10-25% within an hour; one setting ran 15% apart in two sweeps) then
-        slows every cell alike, and the cells' ratios are the machine's, not the hour's.
-        AR cells are prepared last: their prediction then has the target's steps as the
-        speculative cells' probes ran them (StepCosts.target_scale)."""
-        order = sorted(range(len(jobs)), key=lambda i: jobs[i][0] == "ar")
-        prepared = {i: self.prepare(*jobs[i]) for i in order}
-        pending = [prepared[i] for i in range(len(jobs))]
+        slows every cell alike, and the cells' ratios are the machine's, not the hour's."""
+        pending = [self.prepare(*job) for job in jobs]
         batches = [self._batches(p.ids, p.point) for p in pending]
         for j in range(max(len(b) for b in batches)):
             for n in range(len(pending)):

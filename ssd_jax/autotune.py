@@ -10,8 +10,8 @@ Acceptance a and the hit model's miss exponent r come from this pair's earlier r
 greedy SSD runs' hit rates, miss_exponent), stored in the same file; priors until then. SSD
 runs also say how much slower verification and the build run beside each other than alone
 (StepCosts.verify_overlap, build_overlap), SD runs how much more a round's drafting costs than
-K draft(1) (sd_draft_scale), AR and SD runs how much slower the target's steps run in a decode
-than timed alone (target_scale); all kept with the step costs.
+K draft(1) (sd_draft_scale), AR and SD runs how much slower or faster the target's steps run in
+a decode than timed at start-up (target_scale, per token count); all kept with the step costs.
 
 For each (K, M), with P(k) the capped-geometric accept-length law in a and F the engine's
 theorem fan-out of M over the K+1 outcomes (fanout.py):
@@ -25,8 +25,8 @@ theorem fan-out of M over the K+1 outcomes (fanout.py):
   SSD tok/s = B E / (t_v [p_B w + (1 - p_B)(1 + t_backup / t_v)])  (speed.py), where a hit
   round lasts w = E[max(1, t_build / t_v + noise)] verifications, the noise the rounds' spread
   (StepCosts.round_spread; with none, w = max(1, t_build / t_v) as the paper has it)
-  SD tok/s  = B E / (K draft(1) sd_draft_scale + target(K+1) target_scale),
-  AR tok/s  = B / (target(1) target_scale)
+  SD tok/s  = B E / (K draft(1) sd_draft_scale + target_run(K+1)),  AR tok/s = B / target_run(1)
+  with target_run(T) = target(T) target_scale(T) (1 where no run has taught it)
 A sampled SSD run replaces the hit model (and scales a) with the pair's measured response to
 Saguaro's C (saguaro_curve.py), and C joins K, M and the backup in the search.
 """
@@ -39,7 +39,7 @@ import os
 import platform
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -80,12 +80,19 @@ class StepCosts:
     # later is more than the later of the means: a build that takes as long as the verification
     # on average exposes ~0.4 spread a round (expected_wait). Learnt from SSD runs; 0 until then.
     round_spread: float = 0.0
-    # The target's steps in a decode (AR's steps, SD's verification) against the same forwards
-    # timed at start-up: a decode meets the machine's bursts of interference that a median of
-    # 7 forwards does not see (this VM's steal time: one answer's steps ran 186-303 ms, median
-    # 204, mean ~10% above it), and the loop's per-step sampling and exchange. Learnt from AR
-    # and SD runs; 1 until then. SSD's verify_overlap, learnt from its own rounds, holds it.
-    target_scale: float = 1.0
+    # T -> the target's steps of T tokens in a decode (AR's steps, SD's verification at K =
+    # T - 1) against the same forward timed at start-up. Per token count, as the error is: 7
+    # timings miss the machine's bursts of interference (this VM's steal time: one answer's
+    # steps ran 186-303 ms, median 204, mean ~10% above it), AR's steps also carry the loop's
+    # sampling and exchange, and one token count's timings can all land in a slow spell (Qwen
+    # on this VM: AR ran 1.12x target(1) while SD's K=3 verification ran 0.93x target(4)).
+    # Learnt from AR and SD runs; 1 where none has run. SSD's verify_overlap, learnt from its
+    # own rounds against target(K+1), holds SSD's.
+    target_scale: dict = field(default_factory=dict)
+
+    def target_run(self, t: int) -> float:
+        """target(t) as runs have shown a decode's steps of t tokens to cost."""
+        return self.target[t] * self.target_scale.get(t, 1.0)
 
     def draft_at(self, t: int) -> float:
         """Linear between measured token counts (forward cost grows ~linearly in T here)."""
@@ -151,8 +158,8 @@ def predict(costs: StepCosts, k: int, m: int, *, a: float, r: float, batch: int,
     return dict(hit_rate=p, tokens_per_round=e, fanout=[int(x) for x in fan], a=a,
                 ssd=batch * speedup / t_v,
                 sd=batch * e_sd / (k * costs.draft_at(1) * costs.sd_draft_scale
-                                   + costs.target[k + 1] * costs.target_scale),
-                ar=batch / (costs.target[1] * costs.target_scale))
+                                   + costs.target_run(k + 1)),
+                ar=batch / costs.target_run(1))
 
 
 def expected_wait(ratio: float, spread: float) -> float:
@@ -378,6 +385,21 @@ def _blend(old: float | None, new: float, weight: float) -> float:
     return new if old is None else (1 - weight) * old + weight * new
 
 
+def _dict(x) -> dict:
+    """A stored mapping, or {} where the store has something else there (an older
+    layout)."""
+    return x if isinstance(x, dict) else {}
+
+
+def _pool(entry: dict, name: str, x: float, rounds: int) -> None:
+    """entry[name] moved toward a run's `x` by its `rounds` over the rounds held (at most
+    SCALE_WINDOW, counted in entry["rounds_" + name]) plus its own."""
+    count = f"rounds_{name}"
+    held = min(entry.get(count, 0), SCALE_WINDOW)
+    entry[name] = _blend(entry.get(name) if held else None, x, rounds / (held + rounds))
+    entry[count] = held + rounds
+
+
 class TuneStore:
     """The JSON file of measured costs and per-pair acceptance."""
 
@@ -404,7 +426,8 @@ class TuneStore:
                          {int(t): s for t, s in entry["draft"].items()},
                          entry.get("verify_overlap", 1.0), entry.get("build_overlap", 1.0),
                          entry.get("sd_draft_scale", 1.0), entry.get("round_spread", 0.0),
-                         entry.get("target_scale", 1.0))
+                         {int(t): x for t, x in _dict(entry.get("target_scale")).items()
+                          if t.isdigit()})  # beside each, its rounds_T
 
     def save_costs(self, key: str, costs: StepCosts, note: str) -> None:
         data = self._read()
@@ -413,19 +436,26 @@ class TuneStore:
 
     def observe_scales(self, key: str, *, rounds: int, **scales: float) -> None:
         """Fold a run's measured multiples of the step costs (StepCosts.verify_overlap,
-        build_overlap, sd_draft_scale, round_spread, target_scale) into the costs stored at
-        `key`, as observe folds acceptance: a run of `rounds` rounds weighs rounds over the
-        rounds held (at most SCALE_WINDOW) plus its own; the first run after the costs were
-        measured stands alone."""
+        build_overlap, sd_draft_scale, round_spread) into the costs stored at `key`, as observe
+        folds acceptance: a run of `rounds` rounds weighs rounds over the rounds held (at most
+        SCALE_WINDOW) plus its own; the first run after the costs were measured stands alone."""
         data = self._read()
         entry = data.get("costs", {}).get(key)
         if entry is None:
             return
         for name, x in scales.items():
-            count = f"rounds_{name}"
-            held = min(entry.get(count, 0), SCALE_WINDOW)
-            entry[name] = _blend(entry.get(name) if held else None, x, rounds / (held + rounds))
-            entry[count] = held + rounds
+            _pool(entry, name, x, rounds)
+        self._write(data)
+
+    def observe_target_scale(self, key: str, tokens: int, scale: float, *, rounds: int
+                             ) -> None:
+        """observe_scales for StepCosts.target_scale at `tokens` tokens a row."""
+        data = self._read()
+        entry = data.get("costs", {}).get(key)
+        if entry is None:
+            return
+        entry["target_scale"] = _dict(entry.get("target_scale"))
+        _pool(entry["target_scale"], str(tokens), scale, rounds)
         self._write(data)
 
     def saguaro(self, key: str):
@@ -442,25 +472,32 @@ class TuneStore:
         entry = self._read().get("pairs", {}).get(pair, {})
         return entry.get("a", PRIOR_A), entry.get("r", PRIOR_R)
 
-    def observe(self, pair: str, a: float, r: float | None = None, *, rounds: int) -> None:
-        """Fold a run of `rounds` rounds into the stored acceptance a (and the hit model's r):
-        its weight is its rounds over the rounds held (at most ACCEPT_WINDOW) plus its own.
-        After forget(), runs pool by their rounds until the window fills; then the last
-        ~ACCEPT_WINDOW rounds dominate. Not the last run alone: a weight of 0.6 per 96-token
-        answer made the store hold the last two prompts' acceptance (code's prompts run
-        0.79-0.94 one by one)."""
+    def observe(self, pair: str, a: float, hit: float | None = None,
+                fan: Sequence[int] | None = None, *, rounds: int) -> None:
+        """Fold a run of `rounds` rounds into the stored acceptance a (and, from a greedy SSD
+        run's steady hit rate `hit` at fan-out `fan`, the pooled hit rate): its weight is its
+        rounds over the rounds held (at most ACCEPT_WINDOW) plus its own. After forget(), runs
+        pool by their rounds until the window fills; then the last ~ACCEPT_WINDOW rounds
+        dominate. Not the last run alone: a weight of 0.6 per 96-token answer made the store
+        hold the last two prompts' acceptance (code's prompts run 0.79-0.94 one by one).
+        The hit model's r is refitted to the pooled a and hit rate at `fan`, not pooled
+        itself: r climbs steeply as a run's hit rate nears 1, so a mean of per-answer r's
+        leans on the easiest answers (eight code answers at one cell: 1.2 against 0.99 for
+        their pooled hits; the cell then hit less than that r promised)."""
         data = self._read()
         entry = data.setdefault("pairs", {}).setdefault(pair, {})
-        for name, x, count in (("a", a, "rounds_a"), ("r", r, "rounds_r")):
+        for name, x, count in (("a", a, "rounds_a"), ("hit", hit, "rounds_hit")):
             if x is None:
                 continue
             held = min(entry.get(count, ACCEPT_WINDOW if name in entry else 0), ACCEPT_WINDOW)
             entry[name] = _blend(entry.get(name), x, rounds / (held + rounds))
             entry[count] = held + rounds
+        if hit is not None:
+            entry["r"] = miss_exponent(entry["a"], fan, entry["hit"])
         self._write(data)
 
     def forget(self, pair: str) -> None:
-        """Drop what runs taught about this pair (a, r): the next run's stand alone."""
+        """Drop what runs taught about this pair (a, hit rate, r): the next runs stand alone."""
         data = self._read()
         if data.get("pairs", {}).pop(pair, None) is not None:
             self._write(data)

@@ -479,7 +479,7 @@ class Engine:
             return
         a = autotune.acceptance_from_rounds(metrics.accept_hist)
         s = metrics.settings or {}
-        r = None
+        hit = fan = None
         if mode == "sd" or metrics.ssd is not None:
             self._learn_scales(mode, metrics)
         if mode == "ssd" and metrics.ssd is not None:
@@ -489,17 +489,18 @@ class Engine:
             # Only whole answers teach r: the start of an answer hits more often than the rest
             # (32-token probes of code taught r = 1.66, promising 0.87; whole answers hit 0.70).
             st = metrics.ssd
-            steady = st.hits / max(st.rounds - metrics.batch, 1)
             if (greedy and fan is not None and len(fan) == len(metrics.accept_hist)
                     and st.rounds >= STEADY_ROUNDS * metrics.batch):
-                r = autotune.miss_exponent(a, fan, min(steady, 1.0))
+                hit = min(st.hits / max(st.rounds - metrics.batch, 1), 1.0)
+            else:
+                fan = None
         if (s.get("c") or 1.0) != 1.0 and self._curve is not None:
             # A run at Saguaro's C < 1 accepts less by design: keep what C = 1 would accept
             # (the latest curve's ratio, over an even split of the run's branches).
-            fan = [max(1, s["budget"] // (s["k"] + 1))] * (s["k"] + 1)
-            a = min(0.98, a / max(self._curve.acceptance(1.0, s["c"], fan), 1e-3))
+            even = [max(1, s["budget"] // (s["k"] + 1))] * (s["k"] + 1)
+            a = min(0.98, a / max(self._curve.acceptance(1.0, s["c"], even), 1e-3))
         autotune.TuneStore(autotune.store_path(self.cache_dir)).observe(
-            self._pair, a, r, rounds=rounds)
+            self._pair, a, hit, fan, rounds=rounds)
 
     def forget_acceptance(self) -> None:
         """Start this pair's acceptance and hit model afresh: the runs that follow teach them
@@ -508,26 +509,29 @@ class Engine:
 
     def _learn_ar_scale(self, metrics: RunMetrics) -> None:
         """An AR run's steps against target(1) (autotune.target_scale_of_run), where step
-        costs are stored for its batch and split; its steps are not timed one by one, so each
-        counts at the run's mean."""
-        steps = metrics.decode_steps
-        if steps < 8 or metrics.decode_s <= 0:
+        costs are stored for its batch and split. Timed a chunk at a time (the host reads
+        sync_every steps at once), without the first: a new program compiles inside it (a
+        bench's warm-up answer taught 1.3x where its steps ran 1.0x), too little spread over
+        its steps for per_round's outlier cut to catch."""
+        chunks = metrics.step_chunks[1:]
+        if len(chunks) < 8:
             return
         key = self._cost_key("ar", 1 << (metrics.batch - 1).bit_length())[0]
         store = autotune.TuneStore(autotune.store_path(self.cache_dir))
         costs = store.costs(key)
-        if costs is None:
-            return
-        got = autotune.target_scale_of_run(costs, 1, [metrics.decode_s / steps] * steps)
+        got = None if costs is None else autotune.target_scale_of_run(costs, 1, chunks)
         if got is not None:
-            store.observe_scales(key, rounds=steps, target_scale=got)
+            steps = metrics.decode_steps * len(chunks) // len(metrics.step_chunks)
+            store.observe_target_scale(key, 1, got, rounds=steps)
 
-    def ar_prediction(self, rows: int) -> float | None:
-        """The speed model's AR tok/s for a run of `rows` (padded) rows, where step costs are
-        stored for it (they are measured for automatic settings, not for AR)."""
-        costs = autotune.TuneStore(autotune.store_path(self.cache_dir)).costs(
-            self._cost_key("ar", rows)[0])
-        return None if costs is None else rows / (costs.target[1] * costs.target_scale)
+    def ar_prediction(self, rows: int, measure: bool = False) -> float | None:
+        """The speed model's AR tok/s for a run of `rows` (padded) rows: None where no step
+        costs are stored for it (automatic settings measure them; AR does not), unless
+        `measure` (then measured and stored as automatic settings would)."""
+        costs = (self._step_costs("ar", rows) if measure else
+                 autotune.TuneStore(autotune.store_path(self.cache_dir)).costs(
+                     self._cost_key("ar", rows)[0]))
+        return None if costs is None else rows / costs.target_run(1)
 
     def _learn_scales(self, mode: str, metrics: RunMetrics) -> None:
         """A run whose phases were timed per round (worker processes always are) against the
@@ -563,7 +567,7 @@ class Engine:
                 store.observe_scales(key, **weight, sd_draft_scale=got)
             got = autotune.target_scale_of_run(costs, s["k"] + 1, metrics.verify_rounds)
             if got is not None:
-                store.observe_scales(key, **weight, target_scale=got)
+                store.observe_target_scale(key, s["k"] + 1, got, **weight)
 
     def settings(self, mode: str, rows: int, spec: SpecConfig,
                  sampling: SamplingParams | None = None) -> tuple[SpecConfig, dict | None]:

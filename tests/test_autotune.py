@@ -62,13 +62,15 @@ def test_overlap_slows_ssd_alone():
                    backup="fast")
     assert slow["ssd"] < alone["ssd"] and slow["sd"] < alone["sd"]
     assert fast["ssd"] == predict(costs, 2, 6, a=0.8, r=1.5, batch=1, backup="fast")["ssd"]
-    # The target's decode-time scale slows AR and SD's verification by hand; SSD's
-    # verification has its own learnt multiple (verify_overlap) and keeps it.
-    scaled = predict(replace(costs, target_scale=1.2), 2, 6, a=0.8, r=1.5, batch=1)
+    # The target's decode-time multiples, per token count, scale AR's step and SD's
+    # verification; SSD's verification has its own learnt multiple (verify_overlap).
+    scaled = predict(replace(costs, target_scale={1: 1.2, 3: 0.9}), 2, 6, a=0.8, r=1.5, batch=1)
     assert scaled["ar"] == pytest.approx(1 / (1.2 * costs.target[1]))
     e = alone["tokens_per_round"]
-    assert scaled["sd"] == pytest.approx(e / (2 * costs.draft_at(1) + 1.2 * costs.target[3]))
+    assert scaled["sd"] == pytest.approx(e / (2 * costs.draft_at(1) + 0.9 * costs.target[3]))
     assert scaled["ssd"] == alone["ssd"]
+    k3 = predict(replace(costs, target_scale={1: 1.2, 3: 0.9}), 3, 6, a=0.8, r=1.5, batch=1)
+    assert k3["sd"] == predict(costs, 3, 6, a=0.8, r=1.5, batch=1)["sd"]  # T=4: none learnt
 
 
 def test_overlap_of_a_run_is_robust_to_a_compile():
@@ -163,9 +165,17 @@ def test_store_keeps_costs_and_blends_acceptance(tmp_path):
     store.observe("p", 0.9, rounds=30)
     store.observe("p", 0.5, rounds=10)
     assert store.acceptance("p")[0] == pytest.approx(0.8)
-    store.observe("p", 0.7, r=1.0, rounds=60)
-    store.observe("p", 0.7, r=2.0, rounds=20)
-    assert store.acceptance("p") == pytest.approx(((27 + 5 + 56) / 120, 1.25))
+    # Hit rates pool like acceptance, and r is fitted to the pooled a and hit rate at the
+    # latest run's fan-out (not a mean of per-run r's, which leans on the easiest runs).
+    fan = [2, 2, 1, 3]
+    store.observe("p", 0.7, hit=0.8, fan=fan, rounds=60)
+    store.observe("p", 0.7, hit=0.96, fan=fan, rounds=20)
+    a = (27 + 5 + 56) / 120
+    assert store.acceptance("p") == pytest.approx((a, autotune.miss_exponent(a, fan, 0.84)))
+    assert hit_rate(a, store.acceptance("p")[1], np.array(fan)) == pytest.approx(0.84, abs=1e-6)
+    mean_r = (60 * autotune.miss_exponent(0.7, fan, 0.8)
+              + 20 * autotune.miss_exponent(0.7, fan, 0.96)) / 80
+    assert hit_rate(0.7, mean_r, np.array(fan)) > 0.85  # the mean of r's: too high
     for _ in range(20):
         store.observe("p", 0.6, rounds=autotune.ACCEPT_WINDOW)
     store.observe("p", 0.9, rounds=autotune.ACCEPT_WINDOW // 3)
@@ -175,11 +185,16 @@ def test_store_keeps_costs_and_blends_acceptance(tmp_path):
     # Learnt scales pool by rounds as acceptance does; the first run after the costs were
     # measured stands alone (not blended with the prior 1.0).
     store.observe_scales("k", rounds=30, verify_overlap=1.4, build_overlap=1.2,
-                         sd_draft_scale=2.0, round_spread=0.2, target_scale=1.1)
+                         sd_draft_scale=2.0, round_spread=0.2)
+    store.observe_target_scale("k", 4, 1.1, rounds=30)
+    store.observe_target_scale("k", 4, 0.9, rounds=10)
+    store.observe_target_scale("k", 1, 1.2, rounds=100)
     got = store.costs("k")
-    assert (got.verify_overlap, got.build_overlap, got.sd_draft_scale, got.round_spread,
-            got.target_scale) == pytest.approx((1.4, 1.2, 2.0, 0.2, 1.1))
-    assert got.target == costs.target
+    assert (got.verify_overlap, got.build_overlap, got.sd_draft_scale,
+            got.round_spread) == pytest.approx((1.4, 1.2, 2.0, 0.2))
+    assert got.target_scale == pytest.approx({4: 1.05, 1: 1.2})
+    assert got.target_run(4) == pytest.approx(1.05 * costs.target[4])
+    assert got.target_run(2) == costs.target[2] and got.target == costs.target
     store.observe_scales("k", rounds=10, verify_overlap=1.0)
     assert store.costs("k").verify_overlap == pytest.approx(1.3)
     assert store.costs("k").build_overlap == pytest.approx(1.2)
@@ -243,28 +258,33 @@ def test_engine_chooses_settings_and_stays_exact(tiny_llama, tmp_path):
     # an SD run its drafting's multiple of the draft's step cost.
     long = SamplingParams(max_new_tokens=80, ignore_eos=True)
     for mode, names in (("ssd", ("verify_overlap", "build_overlap")),
-                        ("sd", ("sd_draft_scale", "target_scale"))):
+                        ("sd", ("sd_draft_scale",))):
         m = llm.generate(prompts, long, mode=mode, sync_phases=True)[0].metrics
         assert len(m.verify_rounds) == m.decode_steps >= 8
         assert len(m.ssd.build_rounds if mode == "ssd" else m.draft_rounds) == m.decode_steps
         entry = store._read()["costs"][llm.core._cost_key(mode, m.settings["rows"])[0]]
         assert all(entry[name] != 1.0 for name in names)
+        if mode == "sd":  # and its verification, the target's steps of K+1 tokens
+            assert str(m.settings["k"] + 1) in entry["target_scale"]
         if mode == "ssd":  # whole answers (>= STEADY_ROUNDS rounds a row) teach r; one
             # process learns no spread (its wait after verification holds the whole build)
             assert entry["round_spread"] == 0.0
             assert m.ssd.rounds >= 20 * len(prompts)
             assert "r" in store._read()["pairs"]["model|model"]
-    # An AR run teaches the target's decode-time scale from its steps (costs measured afresh:
-    # it stands alone), and the model's AR speed for the batch has it.
+    # An AR run teaches the target's decode-time scale from its steps, a chunk at a time
+    # without the first (costs measured afresh: it stands alone), and the model's AR speed
+    # for the batch has it.
     key = llm.core._cost_key("ar", 2)[0]
     store.save_costs(key, store.costs(key), note="afresh")
     m = llm.generate(prompts, long, mode="ar")[0].metrics
     entry = store._read()["costs"][key]
-    assert entry["rounds_target_scale"] == m.decode_steps >= 8
-    assert entry["target_scale"] == pytest.approx(
-        np.clip(m.decode_s / m.decode_steps / entry["target"]["1"], 0.5, 3.0))
+    assert len(m.step_chunks) == -(-m.decode_steps // llm.engine.sync_every) >= 9
+    assert entry["target_scale"]["rounds_1"] == pytest.approx(
+        m.decode_steps * (len(m.step_chunks) - 1) / len(m.step_chunks), abs=1)
+    assert entry["target_scale"]["1"] == pytest.approx(np.clip(
+        autotune.per_round(m.step_chunks[1:]) / entry["target"]["1"], 0.5, 3.0))
     assert llm.core.ar_prediction(2) == pytest.approx(
-        2 / (entry["target"]["1"] * entry["target_scale"]))
+        2 / (entry["target"]["1"] * entry["target_scale"]["1"]))
 
 
 def test_cached_costs_are_per_xla_flags_but_not_per_device_count(monkeypatch):

@@ -93,7 +93,7 @@ def test_automatic_k_with_a_grid_sweep_beside_it(pair, tmp_path, monkeypatch):
     for c in auto:
         assert c["k"] >= 1 and c["settings"]["predicted_tok_s"] > 0
         assert c["predicted_tok_s"] == c["settings"]["predicted_tok_s"]
-    # AR, prepared after the cells that measured step costs, and the grid's cells have the
+    # AR (measuring step costs, as it is prepared first) and the grid's cells have the
     # model's prediction too, made before they were timed.
     assert all(c["predicted_tok_s"] > 0 for c in res["cells"])
     grid = {(c["k"], c["budget"]) for c in res["cells"] if c["mode"] == "ssd"
@@ -108,9 +108,8 @@ def test_automatic_k_with_a_grid_sweep_beside_it(pair, tmp_path, monkeypatch):
 
 
 def test_interleaved_cells_take_turns(monkeypatch):
-    """--interleave: every cell is prepared (probed, pinned, compiled) before any is timed (AR
-    last, for its prediction), then batch j of every cell runs before batch j+1 of any, the
-    first cell rotating."""
+    """--interleave: every cell is prepared (probed, pinned, compiled) before any is timed, then
+    batch j of every cell runs before batch j+1 of any, the first cell rotating."""
     from bench import measure
     calls = []
 
@@ -133,7 +132,7 @@ def test_interleaved_cells_take_turns(monkeypatch):
                           temperature=0.0, top_p=1.0, batch=1)
     out = cells.run_interleaved([(m, "code", point, [[1], [2], [3]]) for m in ("ar", "sd", "ssd")])
     assert out == [dict(cell="ar"), dict(cell="sd"), dict(cell="ssd")]
-    assert calls[:3] == [("prepare", "sd"), ("prepare", "ssd"), ("prepare", "ar")]
+    assert calls[:3] == [("prepare", "ar"), ("prepare", "sd"), ("prepare", "ssd")]
     assert calls[3:] == [("ar", [0]), ("sd", [0]), ("ssd", [0]),
                          ("sd", [1]), ("ssd", [1]), ("ar", [1]),
                          ("ssd", [2]), ("ar", [2]), ("sd", [2])]

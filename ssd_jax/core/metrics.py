@@ -94,6 +94,8 @@ class RunMetrics:
     verify_s: float = 0.0  # time in target verification (only with sync_phases)
     verify_rounds: list = field(default_factory=list)  # SD/SSD, timed: each round's verify
     draft_rounds: list = field(default_factory=list)  # SD, timed: each round's K draft steps
+    # AR: each chunk's seconds per step (the host reads sync_every steps at a time)
+    step_chunks: list = field(default_factory=list)
     ssd: SSDStats | None = None  # SSD: hit rates, accept histograms on hits / misses, phases
     settings: dict | None = None  # SD/SSD: K, budget, backup...; when chosen, the prediction
 

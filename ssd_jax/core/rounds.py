@@ -289,12 +289,14 @@ def ar_loop(target: TargetSide, metrics: RunMetrics, sync_every: int) -> Iterato
     steps, done_steps = b.max_steps - 1, 0
     t1 = time.perf_counter()
     while done_steps < steps and not _all_done(rows, b.n):
-        chunk = []
+        chunk, t_chunk = [], time.perf_counter()
         for _ in range(min(sync_every, steps - done_steps)):
             rows, cache = target.runner.decode(rows, cache, b.req)
             chunk.append(rows.last)
         done_steps += len(chunk)
         metrics.decode_steps += len(chunk)
         out = _emit(chunk, b.n)
-        metrics.decode_s = time.perf_counter() - t1
+        now = time.perf_counter()
+        metrics.decode_s = now - t1
+        metrics.step_chunks.append((now - t_chunk) / len(chunk))
         yield out
