@@ -81,13 +81,14 @@ class StepCosts:
     # on average exposes ~0.4 spread a round (expected_wait). Learnt from SSD runs; 0 until then.
     round_spread: float = 0.0
     # T -> the target's steps of T tokens in a decode (AR's steps, SD's verification at K =
-    # T - 1) against the same forward timed at start-up. Per token count, as the error is: 7
-    # timings miss the machine's bursts of interference (this VM's steal time: one answer's
-    # steps ran 186-303 ms, median 204, mean ~10% above it), AR's steps also carry the loop's
-    # sampling and exchange, and one token count's timings can all land in a slow spell (Qwen
-    # on this VM: AR ran 1.12x target(1) while SD's K=3 verification ran 0.93x target(4)).
-    # Learnt from AR and SD runs; 1 where none has run. SSD's verify_overlap, learnt from its
-    # own rounds against target(K+1), holds SSD's.
+    # T - 1) against the same forward timed at start-up. 7 timings miss the machine's bursts
+    # of interference (this VM's steal time: one answer's steps ran 186-303 ms, median 204,
+    # mean ~10% above it) and its drift (the same VM an hour apart: AR 1.12x and SD's K=3
+    # verification 1.11x their timed steps in one run, 0.92x and 0.88x in another). Per token
+    # count, because each count's timings can land in a spell of their own (one store: target(3)
+    # timed 0.350 s, as much as target(4)'s 0.355 and 23% over target(2)'s). Learnt from AR and
+    # SD runs; 1 where none has run. SSD's verify_overlap, learnt from its own rounds against
+    # target(K+1), holds SSD's.
     target_scale: dict = field(default_factory=dict)
 
     def target_run(self, t: int) -> float:
