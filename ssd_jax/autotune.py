@@ -483,8 +483,9 @@ class TuneStore:
         hold the last two prompts' acceptance (code's prompts run 0.79-0.94 one by one).
         The hit model's r is refitted to the pooled a and hit rate at `fan`, not pooled
         itself: r climbs steeply as a run's hit rate nears 1, so a mean of per-answer r's
-        leans on the easiest answers (eight code answers at one cell: 1.2 against 0.99 for
-        their pooled hits; the cell then hit less than that r promised)."""
+        leans on the easiest answers (a probe's eight code answers at K=3, M=8 averaged to
+        r = 1.12, promising that cell a hit rate of 0.87; it hit 0.80. Fitted to their pooled
+        hits, the same probe promised 0.83)."""
         data = self._read()
         entry = data.setdefault("pairs", {}).setdefault(pair, {})
         for name, x, count in (("a", a, "rounds_a"), ("hit", hit, "rounds_hit")):
