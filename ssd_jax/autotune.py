@@ -52,13 +52,12 @@ M_MAX = 16
 TARGET_TOKENS = tuple(range(1, K_MAX + 2))
 DRAFT_TOKENS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 PRIOR_A, PRIOR_R = 0.7, 1.5
-# Rounds of evidence the stored acceptance (and r) stand for: about eight 96-token answers at
-# K=3. Within it, runs count by their rounds (a pooled mean); past it, older runs fade.
+# Rounds of evidence (AR: steps) a learnt figure stands for: the acceptance, hit rate and the
+# step costs' multiples; about eight 96-token answers at K=3. Within it, runs count by their
+# rounds (a pooled mean); past it, older runs fade. Not a fixed weight per run: at 0.6 a
+# 96-token answer, the last answer or two set SSD's verify_overlap (1.27 after a probe,
+# 1.33-1.37 a few answers later on the same cell).
 ACCEPT_WINDOW = 240
-# The same for the learnt multiples of the step costs (StepCosts' scales), in rounds (AR:
-# steps). Not a fixed weight per run: at 0.6 a 96-token answer, the last answer or two set
-# SSD's verify_overlap (1.27 after a probe, 1.33-1.37 a few answers later on the same cell).
-SCALE_WINDOW = 240
 FAST_E_MISS = 1.2  # tokens per round after an n-gram guess (rarely accepted)
 
 
@@ -394,9 +393,9 @@ def _dict(x) -> dict:
 
 def _pool(entry: dict, name: str, x: float, rounds: int) -> None:
     """entry[name] moved toward a run's `x` by its `rounds` over the rounds held (at most
-    SCALE_WINDOW, counted in entry["rounds_" + name]) plus its own."""
+    ACCEPT_WINDOW, counted in entry["rounds_" + name]) plus its own; with none held, `x`."""
     count = f"rounds_{name}"
-    held = min(entry.get(count, 0), SCALE_WINDOW)
+    held = min(entry.get(count, 0), ACCEPT_WINDOW)
     entry[name] = _blend(entry.get(name) if held else None, x, rounds / (held + rounds))
     entry[count] = held + rounds
 
@@ -439,7 +438,7 @@ class TuneStore:
         """Fold a run's measured multiples of the step costs (StepCosts.verify_overlap,
         build_overlap, sd_draft_scale, round_spread) into the costs stored at `key`, as observe
         folds acceptance: a run of `rounds` rounds weighs rounds over the rounds held (at most
-        SCALE_WINDOW) plus its own; the first run after the costs were measured stands alone."""
+        ACCEPT_WINDOW) plus its own; the first run after the costs were measured stands alone."""
         data = self._read()
         entry = data.get("costs", {}).get(key)
         if entry is None:
@@ -488,13 +487,9 @@ class TuneStore:
         hits, the same probe promised 0.83)."""
         data = self._read()
         entry = data.setdefault("pairs", {}).setdefault(pair, {})
-        for name, x, count in (("a", a, "rounds_a"), ("hit", hit, "rounds_hit")):
-            if x is None:
-                continue
-            held = min(entry.get(count, ACCEPT_WINDOW if name in entry else 0), ACCEPT_WINDOW)
-            entry[name] = _blend(entry.get(name), x, rounds / (held + rounds))
-            entry[count] = held + rounds
+        _pool(entry, "a", a, rounds)
         if hit is not None:
+            _pool(entry, "hit", hit, rounds)
             entry["r"] = miss_exponent(entry["a"], fan, entry["hit"])
         self._write(data)
 

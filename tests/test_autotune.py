@@ -198,7 +198,7 @@ def test_store_keeps_costs_and_blends_acceptance(tmp_path):
     store.observe_scales("k", rounds=10, verify_overlap=1.0)
     assert store.costs("k").verify_overlap == pytest.approx(1.3)
     assert store.costs("k").build_overlap == pytest.approx(1.2)
-    W = autotune.SCALE_WINDOW
+    W = autotune.ACCEPT_WINDOW
     for _ in range(20):
         store.observe_scales("k", rounds=W, verify_overlap=1.2)
     store.observe_scales("k", rounds=W // 3, verify_overlap=1.6)
