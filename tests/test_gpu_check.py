@@ -65,11 +65,20 @@ def test_parts_report_what_they_checked(dry_run):
     assert set(pred) == {("AR", None), ("SD", None), ("SSD", 0.5), ("SSD", 0.7), ("SSD", 0.9)}
     assert pred["AR", None]["tok_s"] == pytest.approx(1e3 / models[0]["decode_ms"])
     # The predictions use physics' costs: verification is the target scoring K+1 = 5 tokens,
-    # extrapolated from the dry run's T = 1, 4 (a line through both).
+    # extrapolated from the dry run's T = 1, 4 (a line through both, T=1 no dearer than T=4).
     s1, s4 = models[0]["score_ms"]["1"], models[0]["score_ms"]["4"]
-    assert pred["SD", None]["verify_ms"] == pytest.approx(s4 + (s4 - s1) / 3)
+    assert pred["SD", None]["verify_ms"] == pytest.approx(s4 + (s4 - min(s1, s4)) / 3)
     assert all(r["tok_s"] > 0 for r in pred.values())
     assert "CPU-measured inputs" in (out / "predictions.md").read_text()
+
+
+def test_interpolation_lowers_a_noisy_point_above_a_later_one():
+    assert step_costs.interpolate({1: 2.0, 4: 5.0}, 5) == pytest.approx(6.0)
+    assert step_costs.interpolate({1: 2.0, 2: 3.0, 4: 5.0}, 3) == pytest.approx(4.0)
+    # CI's dry run once timed T=1 at 2.43 ms and T=4 at 0.415 ms: a line through both put
+    # scoring 5 tokens at -0.26 ms. T=1 is lowered to T=4's cost: flat, never below zero.
+    assert step_costs.interpolate({1: 2.43, 4: 0.415}, 5) == pytest.approx(0.415)
+    assert step_costs.interpolate({1: 1.0, 2: 3.0, 4: 2.0}, 3) == pytest.approx(2.0)
 
 
 def test_acceptance_from_tokens_per_round():
