@@ -464,9 +464,19 @@ class TuneStore:
         return None if entry is None else SaguaroCurve.from_dict(entry)
 
     def save_saguaro(self, key: str, curve) -> None:
+        """A newly measured curve: what runs taught the one it replaces goes with it."""
         data = self._read()
         data.setdefault("saguaro", {})[key] = curve.to_dict()
         self._write(data)
+
+    def observe_saguaro_hits(self, key: str, scale: float, *, rounds: int) -> None:
+        """Fold a sampled run's hit rate over what the curve at `key` promised it into the
+        curve's hit_scale, pooled by rounds as observe pools the acceptance."""
+        data = self._read()
+        entry = data.get("saguaro", {}).get(key)
+        if entry is not None:
+            _pool(entry, "hit_scale", scale, rounds)
+            self._write(data)
 
     def acceptance(self, pair: str) -> tuple[float, float]:
         entry = self._read().get("pairs", {}).get(pair, {})

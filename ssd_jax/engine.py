@@ -94,6 +94,7 @@ class Engine:
             self.vocab = pair_vocab(target, described, config.draft_vocab, cache_dir)
         self.last_choice: autotune.Choice | None = None  # automatic settings of the latest run
         self._curve = None  # the latest Saguaro curve (saguaro_curve.py), for learn()
+        self._curve_key = None  # its key in the tuning store
         self._logged_choice: autotune.Choice | None = None
 
     # ---------------------------------------------------------------- models, loaded on use
@@ -418,6 +419,7 @@ class Engine:
         """The settings of this run: the caller's, or chosen through the speed model.
         `sampling`: the run's (first sampled row's) settings, for Saguaro's C."""
         if mode == "ar" or not spec.auto:
+            self._saguaro(mode, sampling, measure=False)  # for learn(), if one is stored
             return replace(spec, backup=spec.backup_or_default, c=spec.c or 1.0), None
         a, r = autotune.TuneStore(autotune.store_path(self.cache_dir)).acceptance(self._pair)
         curve = self._saguaro(mode, sampling)  # a sampled run's hit model, given C or not
@@ -430,10 +432,11 @@ class Engine:
                        backup=spec.backup or choice.backup,
                        c=spec.c or choice.c or 1.0), choice
 
-    def _saguaro(self, mode: str, sampling: SamplingParams | None):
+    def _saguaro(self, mode: str, sampling: SamplingParams | None, measure: bool = True):
         """How C moves acceptance and hit rate for this pair at these sampling settings
         (saguaro_curve.py), measured once and cached; None for greedy runs, for pairs without a
-        tokenizer (no calibration text) and on a pod (not measured across processes: C = 1)."""
+        tokenizer (no calibration text) and on a pod (not measured across processes: C = 1).
+        Not `measure`: the stored curve or None (a run with given settings)."""
         from ssd_jax.saguaro_curve import CALIBRATION_PROMPT, POSITIONS, SaguaroCurve
         from ssd_jax.saguaro_curve import target_calibration, teacher_forced_probs
         if (mode != "ssd" or sampling is None or sampling.temperature == 0
@@ -443,6 +446,9 @@ class Engine:
         key = f"{self._pair}|head {self.config.draft_vocab}|T={t:g}|top_k={top_k}|top_p={top_p:g}"
         store = autotune.TuneStore(autotune.store_path(self.cache_dir))
         curve = store.saguaro(key)
+        if curve is None and not measure:
+            self._curve = self._curve_key = None
+            return None
         if curve is None:
             log.info("measuring how Saguaro's C moves acceptance and hit rate (T=%g; once per "
                      "pair and sampling settings) ...", t)
@@ -459,7 +465,7 @@ class Engine:
                                          self.vocab, last=len(more))
             curve = SaguaroCurve.fit(p, q)
             store.save_saguaro(key, curve)
-        self._curve = curve
+        self._curve, self._curve_key = curve, key
         return curve
 
     def learn(self, mode: str, metrics: RunMetrics, greedy: bool = False) -> None:
@@ -489,10 +495,14 @@ class Engine:
             # Only whole answers teach r: the start of an answer hits more often than the rest
             # (32-token probes of code taught r = 1.66, promising 0.87; whole answers hit 0.70).
             st = metrics.ssd
-            if (greedy and fan is not None and len(fan) == len(metrics.accept_hist)
+            if (fan is not None and len(fan) == len(metrics.accept_hist)
                     and st.rounds >= STEADY_ROUNDS * metrics.batch):
-                hit = min(st.hits / max(st.rounds - metrics.batch, 1), 1.0)
-            else:
+                steady = min(st.hits / max(st.rounds - metrics.batch, 1), 1.0)
+                if greedy:
+                    hit = steady
+                elif self._curve is not None:
+                    self._learn_sampled_hits(steady, fan, a, s.get("c") or 1.0, rounds)
+            if hit is None:
                 fan = None
         if (s.get("c") or 1.0) != 1.0 and self._curve is not None:
             # A run at Saguaro's C < 1 accepts less by design: keep what C = 1 would accept
@@ -501,6 +511,14 @@ class Engine:
             a = min(0.98, a / max(self._curve.acceptance(1.0, s["c"], even), 1e-3))
         autotune.TuneStore(autotune.store_path(self.cache_dir)).observe(
             self._pair, a, hit, fan, rounds=rounds)
+
+    def _learn_sampled_hits(self, hit: float, fan, a: float, c: float, rounds: int) -> None:
+        """A sampled run's steady hit rate over what the calibration curve promised at the
+        run's C, fan-out and acceptance: the curve's hit_scale (its greedy counterpart is r)."""
+        promised = self._curve.hit_rate(c, fan, a, learnt=False)
+        if promised > 0:
+            store = autotune.TuneStore(autotune.store_path(self.cache_dir))
+            store.observe_saguaro_hits(self._curve_key, hit / promised, rounds=rounds)
 
     def forget_acceptance(self) -> None:
         """Start this pair's acceptance and hit model afresh: the runs that follow teach them

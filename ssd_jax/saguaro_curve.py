@@ -98,12 +98,16 @@ def teacher_forced_probs(runner, tokens: list[int], temperature: float, top_k: i
 
 @dataclass(frozen=True)
 class SaguaroCurve:
-    """alpha[c][F], rec[c][F] (F = 0..F_MAX) for each C in `cs`, bonus[F]."""
+    """alpha[c][F], rec[c][F] (F = 0..F_MAX) for each C in `cs`, bonus[F]; `hit_scale`: what
+    sampled runs hit over what the curve promised them (learnt by the engine, pooled over the
+    runs like the acceptance; 1 until a run teaches it). One calibration prompt stands in for
+    a whole suite's tokens: on code at T = 0.7 the curve promised 0.85 where the runs hit 0.70."""
 
     cs: tuple
     alpha: tuple
     rec: tuple
     bonus: tuple
+    hit_scale: float = 1.0
 
     @classmethod
     def fit(cls, p: np.ndarray, q: np.ndarray, cs=C_CANDIDATES, f_max: int = F_MAX
@@ -150,18 +154,22 @@ class SaguaroCurve:
                  / max(self._at(self.alpha, 1.0, 0), 1e-9))
         return float(np.clip(a * ratio, 0.0, 0.999))
 
-    def hit_rate(self, c: float, fan, a: float) -> float:
-        """Per-round hit rate with fan-out F_0..F_K at acceptance a."""
+    def hit_rate(self, c: float, fan, a: float, learnt: bool = True) -> float:
+        """Per-round hit rate with fan-out F_0..F_K at acceptance a (times hit_scale unless
+        not `learnt`: the calibration's own figure)."""
         k = len(fan) - 1
         probs = geometric_probs(a, k)
         hits = [self._at(self.rec, c, f) for f in fan[:-1]] + [self.bonus[self._f(fan[-1])]]
-        return float((probs * np.asarray(hits)).sum())
+        raw = float((probs * np.asarray(hits)).sum())
+        return min(1.0, raw * self.hit_scale) if learnt else raw
 
     def to_dict(self) -> dict:
+        """The measured curve (the learnt hit_scale is pooled beside it by TuneStore)."""
         return dict(cs=list(self.cs), alpha=[list(r) for r in self.alpha],
                     rec=[list(r) for r in self.rec], bonus=list(self.bonus))
 
     @classmethod
     def from_dict(cls, d: dict) -> "SaguaroCurve":
         return cls(tuple(d["cs"]), tuple(tuple(r) for r in d["alpha"]),
-                   tuple(tuple(r) for r in d["rec"]), tuple(d["bonus"]))
+                   tuple(tuple(r) for r in d["rec"]), tuple(d["bonus"]),
+                   float(d.get("hit_scale", 1.0)))

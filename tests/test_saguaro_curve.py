@@ -116,6 +116,57 @@ def test_engine_measures_a_curve_for_sampled_runs_and_chooses_c(tiny_llama, tmp_
     assert out.metrics.settings["c"] == spec.c and len(out.token_ids) == 8
 
 
+def test_learnt_hit_scale_scales_the_curves_hit_rate_and_pools_by_rounds(tmp_path):
+    rng = np.random.default_rng(2)
+    curve = SaguaroCurve.fit(_dists(rng, 6, 12, 1.5), _dists(rng, 6, 12, 1.5))
+    raw = curve.hit_rate(1.0, [2, 2, 3], 0.7)
+    scaled = SaguaroCurve(curve.cs, curve.alpha, curve.rec, curve.bonus, hit_scale=0.8)
+    assert scaled.hit_rate(1.0, [2, 2, 3], 0.7) == pytest.approx(0.8 * raw)
+    assert scaled.hit_rate(1.0, [2, 2, 3], 0.7, learnt=False) == pytest.approx(raw)
+    big = SaguaroCurve(curve.cs, curve.alpha, curve.rec, curve.bonus, hit_scale=100.0)
+    assert big.hit_rate(1.0, [2, 2, 3], 0.7) == 1.0  # a rate, capped
+    store = autotune.TuneStore(tmp_path / "t.json")
+    store.observe_saguaro_hits("k", 0.5, rounds=30)  # no curve there: nothing to scale
+    assert store.saguaro("k") is None
+    store.save_saguaro("k", curve)
+    assert store.saguaro("k").hit_scale == 1.0
+    store.observe_saguaro_hits("k", 0.8, rounds=30)  # the first run stands alone
+    store.observe_saguaro_hits("k", 0.6, rounds=90)  # then runs pool by rounds: 30 + 90
+    assert store.saguaro("k").hit_scale == pytest.approx((0.8 * 30 + 0.6 * 90) / 120)
+    assert store.saguaro("k").rec == curve.rec
+    store.save_saguaro("k", curve)  # measured again: what runs taught goes with the old one
+    assert store.saguaro("k").hit_scale == 1.0
+
+
+def test_a_sampled_ssd_run_teaches_the_curves_hit_scale(tiny_llama, tmp_path):
+    """What the run hit in its steady rounds (its first misses by construction) over what the
+    curve promised at the run's C, fan-out and acceptance; the next choice predicts with it."""
+    from ssd_jax import LLM, EngineConfig, SamplingParams
+    from ssd_jax.config import SpecConfig
+    from ssd_jax.loading import load
+    from tests.conftest import save_noisy_draft, with_word_tokenizer
+    target = with_word_tokenizer(tiny_llama[0], tmp_path / "target")
+    save_noisy_draft(tiny_llama[1], tmp_path / "draft", scale=0.3)
+    llm = LLM(target, draft=load(tmp_path / "draft")[0], cache_dir=tmp_path,
+              engine=EngineConfig(max_batch=1, max_seq_len=256, prefill_bucket=16,
+                                  driver="single"))
+    sampled = SamplingParams(temperature=0.8, seed=0)
+    llm.settings("ssd", sampling_params=sampled)  # measures the curve
+    store = autotune.TuneStore(tmp_path / "autotune.json")
+    (key, entry), = store._read()["saguaro"].items()
+    assert "hit_scale" not in entry
+    run = SamplingParams(temperature=0.8, seed=5, max_new_tokens=80, ignore_eos=True)
+    m = llm.generate([[5, 6, 7]], run, mode="ssd", spec=SpecConfig(k=2, budget=6))[0].metrics
+    st, fan = m.ssd, m.ssd.fanout
+    assert st.rounds >= 20  # engine.STEADY_ROUNDS: enough to teach
+    steady = st.hits / (st.rounds - 1)
+    a = autotune.acceptance_from_rounds(m.accept_hist)
+    promised = store.saguaro(key).hit_rate(1.0, fan, a, learnt=False)
+    learnt = store.saguaro(key)
+    assert learnt.hit_scale == pytest.approx(steady / promised, rel=1e-6)
+    assert store._read()["saguaro"][key]["rounds_hit_scale"] == sum(m.accept_hist)
+
+
 def autotune_cs():
     from ssd_jax.saguaro_curve import C_CANDIDATES
     return C_CANDIDATES
