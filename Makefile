@@ -36,12 +36,13 @@ bench: $(STAMP)
 	$(VENV)/bin/python -m bench.decode_throughput
 	$(VENV)/bin/python -m ssd_jax.distill measure
 
-# The real pair's two runs, as the README reports them (about 1.5 h on the 2-core dev VM, idle
-# machine); the first rewrites README.md's "Benchmark results" section between its markers.
+# The real pair's two runs, as the README reports them (about 2.5 h on the 2-core dev VM, idle
+# machine; the transformers peers take ~40 min of it); the first rewrites README.md's
+# "Benchmark results" section between its markers.
 bench-real: $(STAMP)
 	$(VENV)/bin/ssd-bench --pair qwen2.5-coder --mode all --suite all --num-prompts 8 \
-		--output-len 96 --k auto --draft-vocab 32768 --all-cores --interleave \
-		--out results/real_pair_learnt --readme README.md
+		--output-len 96 --k auto --draft-vocab 32768 --all-cores --interleave --peers \
+		--out results/real_pair_peers --readme README.md
 	$(VENV)/bin/ssd-bench --pair qwen2.5-coder --mode all --suite code,chat --num-prompts 8 \
 		--output-len 96 --k auto --temperature 0.7 --draft-vocab 32768 --interleave \
 		--out results/real_pair_t07_wide
