@@ -190,6 +190,7 @@ def _greedy_by_full_forwards(model, prompt: list[int], n: int) -> list[int]:
     return seq
 
 
+@pytest.mark.slow  # 40 s: the draft-training pipeline's on-policy stage (make draft)
 def test_onpolicy_batch_is_the_drafts_text_labelled_by_the_target(tiny_llama):
     """On-policy data: the draft's own greedy answer (in target ids), labelled with the
     target's next-token distribution at every position."""
