@@ -36,8 +36,8 @@ bench: $(STAMP)
 	$(VENV)/bin/python -m bench.decode_throughput
 	$(VENV)/bin/python -m ssd_jax.distill measure
 
-# The real pair's two runs, as the README reports them (about 2.5 h on the 2-core dev VM, idle
-# machine; the transformers peers take ~40 min of it); the first rewrites README.md's
+# The real pair's two runs, as the README reports them (about 3 h on the 2-core dev VM, idle
+# machine; the transformers peers take ~45 min of it); the first rewrites README.md's
 # "Benchmark results" section between its markers.
 bench-real: $(STAMP)
 	$(VENV)/bin/ssd-bench --pair qwen2.5-coder --mode all --suite all --num-prompts 8 \
