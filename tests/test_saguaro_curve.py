@@ -140,7 +140,8 @@ def test_learnt_hit_scale_scales_the_curves_hit_rate_and_pools_by_rounds(tmp_pat
 
 def test_a_sampled_ssd_run_teaches_the_curves_hit_scale(tiny_llama, tmp_path):
     """What the run hit in its steady rounds (its first misses by construction) over what the
-    curve promised at the run's C, fan-out and acceptance; the next choice predicts with it."""
+    curve promised at the run's C, fan-out and acceptance (the choice's use of it: the test
+    above, through SaguaroCurve.hit_rate)."""
     from ssd_jax import LLM, EngineConfig, SamplingParams
     from ssd_jax.config import SpecConfig
     from ssd_jax.loading import load
