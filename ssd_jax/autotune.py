@@ -115,6 +115,12 @@ class Choice:
     # the costs' (verify_overlap, build_overlap, round_spread) it assumed
     overlap: tuple = (1.0, 1.0, 0.0)
 
+    def ar_is_faster(self, mode: str) -> bool:
+        """Whether the model predicts plain AR steps faster than `mode` at these settings (a
+        pair and workload whose acceptance is too low for speculation to pay on this
+        machine)."""
+        return self.tok_s[mode] < self.tok_s["ar"]
+
     def describe(self) -> str:
         saguaro = "" if self.c is None else f", Saguaro C={self.c:g}"
         return (f"K={self.k}, M={self.budget} (fan-out {self.fanout}), backup {self.backup}"

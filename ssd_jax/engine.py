@@ -427,6 +427,13 @@ class Engine:
                                  saguaro=curve, c=spec.c)
         if choice != self._logged_choice:  # warmup and the run choose alike: say it once
             log.info("automatic settings (%s): %s", mode.upper(), choice.describe())
+            if choice.ar_is_faster(mode):
+                # Said, not acted on: the run is the mode asked for (a bench cell, a user
+                # comparing modes), and acceptance is only learnt from speculative runs.
+                log.warning("the speed model predicts %s at %.1f tok/s, below AR's %.1f, with "
+                            "this pair's recent acceptance (a=%.2f): mode='ar' (--mode ar) "
+                            "would be faster for this workload", mode.upper(),
+                            choice.tok_s[mode], choice.tok_s["ar"], choice.a)
             self._logged_choice = choice
         return replace(spec, k=choice.k, budget=choice.budget,
                        backup=spec.backup or choice.backup,

@@ -143,6 +143,11 @@ def test_choice_follows_the_costs():
     sd = choose(_costs(0.25, 0.06, 0.15), a=0.85, r=2.0, mode="sd")
     assert sd.tok_s["sd"] == max(predict(_costs(0.25, 0.06, 0.15), k, k + 1, a=0.85, r=2.0,
                                          batch=1)["sd"] for k in (1, 2, 3, 4))
+    # Acceptance too low for that dear draft: the best speculation is predicted below AR,
+    # which the choice says (the engine warns; it still runs the mode asked for).
+    low = choose(_costs(0.25, 0.06, 0.15), a=0.2, r=2.0, mode="sd")
+    assert low.ar_is_faster("sd") and low.tok_s["sd"] < low.tok_s["ar"]
+    assert not sd.ar_is_faster("sd") and not cheap.ar_is_faster("ssd")
 
 
 def test_acceptance_is_recovered_from_accept_lengths():
@@ -208,7 +213,7 @@ def test_store_keeps_costs_and_blends_acceptance(tmp_path):
     assert store.costs("k").verify_overlap == pytest.approx(1.5)
 
 
-def test_engine_chooses_settings_and_stays_exact(tiny_llama, tmp_path):
+def test_engine_chooses_settings_and_stays_exact(tiny_llama, tmp_path, caplog):
     """SpecConfig() measures costs (single driver), picks K/M, reports them, equals AR."""
     from tests.conftest import save_noisy_draft
     from ssd_jax import LLM, EngineConfig, SamplingParams
@@ -285,6 +290,16 @@ def test_engine_chooses_settings_and_stays_exact(tiny_llama, tmp_path):
         autotune.per_round(m.step_chunks[1:]) / entry["target"]["1"], 0.5, 3.0))
     assert llm.core.ar_prediction(2) == pytest.approx(
         2 / (entry["target"]["1"] * entry["target_scale"]["1"]))
+    # Acceptance too low to pay (a draft as large as its target): the run is still the mode
+    # asked for, and exact, but the log says AR would be faster.
+    llm.core.forget_acceptance()
+    store.observe("model|model", 0.05, rounds=W)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        out = llm.generate(prompts, p, mode="sd")
+    assert [o.token_ids for o in out] == ar and out[0].metrics.mode == "sd"
+    said = [r.getMessage() for r in caplog.records if "mode='ar'" in r.getMessage()]
+    assert len(said) == 1 and "below AR's" in said[0] and "a=0.05" in said[0]
 
 
 def test_cached_costs_are_per_xla_flags_but_not_per_device_count(monkeypatch):
