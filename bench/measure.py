@@ -132,7 +132,7 @@ class Cells:
             return chosen.get("predicted_tok_s")
         if mode == "ar":
             return self.llm.core.ar_prediction(1 << (point.batch - 1).bit_length(),
-                                               measure=True)
+                                               measure=True, sampled=point.temperature > 0)
         if point.temperature > 0:
             return None
         return (self.llm.settings(mode, rows=point.batch, spec=point.spec())[1] or {}).get(

@@ -380,8 +380,13 @@ class Engine:
         """The key of this pair's learnt acceptance (and Saguaro curves) in the store."""
         return autotune.pair_key(*(p or "model" for p in self.paths))
 
-    def _cost_key(self, mode: str, rows: int) -> tuple[str, list[str], str]:
-        """(key, model names, device split) the step costs of a run are stored under."""
+    def _cost_key(self, mode: str, rows: int, sampled: bool = False
+                  ) -> tuple[str, list[str], str]:
+        """(key, model names, device split) the step costs of a run are stored under.
+        `sampled`: a run with sampled rows, whose learnt multiples are kept apart from greedy
+        runs' (sampling over a 151k vocabulary made the Qwen pair's verification of 5 tokens
+        415 ms a round at T = 0.7 against ~350 greedy, and the model, taught by both, put SD
+        17% above what it ran)."""
         names = [p or f"model-{hashlib.sha1(repr(c).encode()).hexdigest()[:10]}" for p, c in
                  zip(self.paths, (self.model_config,
                                   self._draft_model and self._draft_model.config))]
@@ -391,14 +396,25 @@ class Engine:
         split = driver if self.config.mesh is None else f"{driver}:{self.config.mesh}"
         if self.pod is not None:  # which processes hold the meshes matters too
             split += f":{self.pod.n_processes}x{jax.local_device_count()}"
+        if sampled:
+            split += ", sampled"
         return autotune.cache_key(*names, rows, self.dtype, split), names, split
 
-    def _step_costs(self, mode: str, rows: int) -> autotune.StepCosts:
-        """Measured once per machine, pair, batch bucket and device split; then read back."""
+    def _step_costs(self, mode: str, rows: int, sampled: bool = False) -> autotune.StepCosts:
+        """Measured once per machine, pair, batch bucket and device split; then read back.
+        `sampled`: the entry of sampled runs, which starts as a copy of the greedy one (the
+        same forward passes, and what greedy runs taught as a first guess) and then learns
+        from sampled runs alone."""
         driver = self.driver(mode)
-        key, names, split = self._cost_key(mode, rows)
+        key, names, split = self._cost_key(mode, rows, sampled)
         store = autotune.TuneStore(autotune.store_path(self.cache_dir))
         costs = store.costs(key)
+        if costs is None and sampled:
+            costs = self._step_costs(mode, rows)
+            # Saved without the rounds they were learnt over: a sampled run's first lesson
+            # replaces the greedy figure rather than blending with it.
+            store.save_costs(key, costs, note=f"{names[0]} + {names[1]}, batch {rows}, {split}"
+                             " (from the greedy entry)")
         if costs is None:
             log.info("measuring the target's scoring cost and the draft's step cost (batch %d, "
                      "once per machine and pair) ...", rows)
@@ -423,8 +439,9 @@ class Engine:
             return replace(spec, backup=spec.backup_or_default, c=spec.c or 1.0), None
         a, r = autotune.TuneStore(autotune.store_path(self.cache_dir)).acceptance(self._pair)
         curve = self._saguaro(mode, sampling)  # a sampled run's hit model, given C or not
-        choice = autotune.choose(self._step_costs(mode, rows), a=a, r=r, batch=rows, mode=mode,
-                                 saguaro=curve, c=spec.c)
+        sampled = sampling is not None and sampling.temperature > 0
+        choice = autotune.choose(self._step_costs(mode, rows, sampled), a=a, r=r, batch=rows,
+                                 mode=mode, saguaro=curve, c=spec.c)
         if choice != self._logged_choice:  # warmup and the run choose alike: say it once
             log.info("automatic settings (%s): %s", mode.upper(), choice.describe())
             if choice.ar_is_faster(mode):
@@ -485,7 +502,7 @@ class Engine:
         AR and SD runs their target steps (_learn_scales).
         `greedy`: every row of the run was greedy."""
         if mode == "ar":
-            self._learn_ar_scale(metrics)
+            self._learn_ar_scale(metrics, sampled=not greedy)
             return
         rounds = sum(metrics.accept_hist)
         if rounds < 8:
@@ -494,7 +511,7 @@ class Engine:
         s = metrics.settings or {}
         hit = fan = None
         if mode == "sd" or metrics.ssd is not None:
-            self._learn_scales(mode, metrics)
+            self._learn_scales(mode, metrics, sampled=not greedy)
         if mode == "ssd" and metrics.ssd is not None:
             fan = metrics.ssd.fanout or s.get("fanout_lists")
             # Each row's first round misses by construction (no cache yet: draft.empty_cache),
@@ -532,7 +549,7 @@ class Engine:
         alone (a bench probing a new workload; a server whose traffic changed kind)."""
         autotune.TuneStore(autotune.store_path(self.cache_dir)).forget(self._pair)
 
-    def _learn_ar_scale(self, metrics: RunMetrics) -> None:
+    def _learn_ar_scale(self, metrics: RunMetrics, sampled: bool = False) -> None:
         """An AR run's steps against target(1) (autotune.target_scale_of_run), where step
         costs are stored for its batch and split. Timed a chunk at a time (the host reads
         sync_every steps at once), without the first: a new program compiles inside it (a
@@ -541,7 +558,7 @@ class Engine:
         chunks = metrics.step_chunks[1:]
         if len(chunks) < 8:
             return
-        key = self._cost_key("ar", 1 << (metrics.batch - 1).bit_length())[0]
+        key = self._cost_key("ar", 1 << (metrics.batch - 1).bit_length(), sampled)[0]
         store = autotune.TuneStore(autotune.store_path(self.cache_dir))
         costs = store.costs(key)
         got = None if costs is None else autotune.target_scale_of_run(costs, 1, chunks)
@@ -549,16 +566,18 @@ class Engine:
             steps = metrics.decode_steps * len(chunks) // len(metrics.step_chunks)
             store.observe_target_scale(key, 1, got, rounds=steps)
 
-    def ar_prediction(self, rows: int, measure: bool = False) -> float | None:
+    def ar_prediction(self, rows: int, measure: bool = False, sampled: bool = False
+                      ) -> float | None:
         """The speed model's AR tok/s for a run of `rows` (padded) rows: None where no step
         costs are stored for it (automatic settings measure them; AR does not), unless
-        `measure` (then measured and stored as automatic settings would)."""
-        costs = (self._step_costs("ar", rows) if measure else
+        `measure` (then measured and stored as automatic settings would). `sampled`: for a
+        run with sampled rows."""
+        costs = (self._step_costs("ar", rows, sampled) if measure else
                  autotune.TuneStore(autotune.store_path(self.cache_dir)).costs(
-                     self._cost_key("ar", rows)[0]))
+                     self._cost_key("ar", rows, sampled)[0]))
         return None if costs is None else rows / costs.target_run(1)
 
-    def _learn_scales(self, mode: str, metrics: RunMetrics) -> None:
+    def _learn_scales(self, mode: str, metrics: RunMetrics, sampled: bool = False) -> None:
         """A run whose phases were timed per round (worker processes always are) against the
         stored step costs of its batch and split: SSD's verification and build side by side
         (autotune.overlap_of_run), SD's drafting (autotune.sd_draft_scale_of_run) and
@@ -566,7 +585,7 @@ class Engine:
         s = metrics.settings or {}
         if not metrics.verify_rounds or "rows" not in s:
             return
-        key = self._cost_key(mode, s["rows"])[0]
+        key = self._cost_key(mode, s["rows"], sampled)[0]
         store = autotune.TuneStore(autotune.store_path(self.cache_dir))
         costs = store.costs(key)
         if costs is None:  # settings given by the caller: nothing measured to compare with

@@ -302,6 +302,38 @@ def test_engine_chooses_settings_and_stays_exact(tiny_llama, tmp_path, caplog):
     assert len(said) == 1 and "below AR's" in said[0] and "a=0.05" in said[0]
 
 
+def test_sampled_runs_learn_their_own_multiples(tiny_llama, tmp_path):
+    """Sampled runs verify more slowly (sampling over the vocabulary), so they keep their own
+    cost entry: a copy of the greedy one at first, then taught by sampled runs alone."""
+    from tests.conftest import save_noisy_draft
+    from ssd_jax import LLM, EngineConfig, SamplingParams
+    from ssd_jax.loading import load
+    save_noisy_draft(tiny_llama[1], tmp_path / "draft")
+    target, _, _ = load(tiny_llama[0])
+    draft, _, _ = load(tmp_path / "draft")
+    llm = LLM(target, draft=draft, cache_dir=tmp_path,
+              engine=EngineConfig(max_batch=1, max_seq_len=128, prefill_bucket=16,
+                                  driver="single"))
+    store = TuneStore(tmp_path / "autotune.json")
+    greedy = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    m = llm.generate([[5, 6, 7, 8]], greedy, mode="sd", sync_phases=True)[0].metrics
+    g_key = llm.core._cost_key("sd", m.settings["rows"])[0]
+    s_key = llm.core._cost_key("sd", m.settings["rows"], sampled=True)[0]
+    assert s_key != g_key and s_key not in store._read()["costs"]
+    before = dict(store._read()["costs"][g_key])
+    sampled = SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=0.8, seed=3)
+    m = llm.generate([[5, 6, 7, 8]], sampled, mode="sd", sync_phases=True)[0].metrics
+    entries = store._read()["costs"]
+    assert entries[g_key] == before  # the greedy entry learnt nothing from the sampled run
+    got = entries[s_key]
+    assert "sampled (from the greedy entry)" in got["note"]
+    assert got["target"] == before["target"] and got["draft"] == before["draft"]
+    # The sampled run's lesson stands alone (the copy kept no rounds to blend with).
+    k1 = str(m.settings["k"] + 1)
+    assert got["target_scale"][f"rounds_{k1}"] == len(m.verify_rounds)
+    assert got["rounds_sd_draft_scale"] == len(m.draft_rounds)
+
+
 def test_cached_costs_are_per_xla_flags_but_not_per_device_count(monkeypatch):
     """A vector-width flag changes step costs, so it changes the cache key; the CPU device
     count is part of the split already and must not split the cache."""
