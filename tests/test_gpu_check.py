@@ -1,6 +1,7 @@
 """bench/gpu_check.sh --dry-run: the one-shot accelerator check, on CPU with tiny sizes and the
 kernel interpreted, so the script that a lent GPU runs cannot rot unseen. One run (~1.5 min on
-two cores) shared by the assertions; plus the prediction arithmetic against hand-worked values."""
+two cores, `make test-slow`) shared by the assertions; plus the prediction arithmetic against
+hand-worked values (default run)."""
 import json
 import os
 import subprocess
@@ -26,6 +27,9 @@ def dry_run(tmp_path_factory):
     return proc, out
 
 
+# The dry run (~70 s on two cores) is in `make test-slow`: the default run had grown past 20
+# minutes. The prediction arithmetic below stays in the default run.
+@pytest.mark.slow
 def test_dry_run_passes_and_writes_every_file(dry_run):
     proc, out = dry_run
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
@@ -35,6 +39,7 @@ def test_dry_run_passes_and_writes_every_file(dry_run):
     assert set(status) == set(PARTS) and all(s.startswith("rc=0 ") for s in status.values())
 
 
+@pytest.mark.slow
 def test_parts_report_what_they_checked(dry_run):
     _, out = dry_run
     summary = json.loads((out / "summary.json").read_text())
