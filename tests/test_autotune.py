@@ -213,17 +213,24 @@ def test_store_keeps_costs_and_blends_acceptance(tmp_path):
     assert store.costs("k").verify_overlap == pytest.approx(1.5)
 
 
-def test_engine_chooses_settings_and_stays_exact(tiny_llama, tmp_path, caplog):
-    """SpecConfig() measures costs (single driver), picks K/M, reports them, equals AR."""
+def _noisy_pair(tiny_llama, tmp_path, max_batch: int):
+    """An LLM over the tiny target and a noisy copy as its draft, one process, its tuning
+    store in tmp_path."""
     from tests.conftest import save_noisy_draft
-    from ssd_jax import LLM, EngineConfig, SamplingParams
+    from ssd_jax import LLM, EngineConfig
     from ssd_jax.loading import load
     save_noisy_draft(tiny_llama[1], tmp_path / "draft")
     target, _, _ = load(tiny_llama[0])
     draft, _, _ = load(tmp_path / "draft")
-    llm = LLM(target, draft=draft, cache_dir=tmp_path,
-              engine=EngineConfig(max_batch=2, max_seq_len=128, prefill_bucket=16,
-                                  driver="single"))
+    return LLM(target, draft=draft, cache_dir=tmp_path,
+               engine=EngineConfig(max_batch=max_batch, max_seq_len=128, prefill_bucket=16,
+                                   driver="single"))
+
+
+def test_engine_chooses_settings_and_stays_exact(tiny_llama, tmp_path, caplog):
+    """SpecConfig() measures costs (single driver), picks K/M, reports them, equals AR."""
+    from ssd_jax import SamplingParams
+    llm = _noisy_pair(tiny_llama, tmp_path, max_batch=2)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     p = SamplingParams(max_new_tokens=12, ignore_eos=True)
     ar = [o.token_ids for o in llm.generate(prompts, p, mode="ar")]
@@ -305,15 +312,8 @@ def test_engine_chooses_settings_and_stays_exact(tiny_llama, tmp_path, caplog):
 def test_sampled_runs_learn_their_own_multiples(tiny_llama, tmp_path):
     """Sampled runs verify more slowly (sampling over the vocabulary), so they keep their own
     cost entry: a copy of the greedy one at first, then taught by sampled runs alone."""
-    from tests.conftest import save_noisy_draft
-    from ssd_jax import LLM, EngineConfig, SamplingParams
-    from ssd_jax.loading import load
-    save_noisy_draft(tiny_llama[1], tmp_path / "draft")
-    target, _, _ = load(tiny_llama[0])
-    draft, _, _ = load(tmp_path / "draft")
-    llm = LLM(target, draft=draft, cache_dir=tmp_path,
-              engine=EngineConfig(max_batch=1, max_seq_len=128, prefill_bucket=16,
-                                  driver="single"))
+    from ssd_jax import SamplingParams
+    llm = _noisy_pair(tiny_llama, tmp_path, max_batch=1)
     store = TuneStore(tmp_path / "autotune.json")
     greedy = SamplingParams(max_new_tokens=40, ignore_eos=True)
     m = llm.generate([[5, 6, 7, 8]], greedy, mode="sd", sync_phases=True)[0].metrics
