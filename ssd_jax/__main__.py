@@ -72,6 +72,10 @@ def main(argv=None) -> int:
     ap.add_argument("--c", type=float, default=None,
                     help="Saguaro sampling constant in (0, 1] (default: chosen with K when "
                          "sampling, else 1)")
+    ap.add_argument("--ar-fallback", action="store_true",
+                    help="with automatic settings (no --k): decode with AR when the speed model "
+                    "predicts it faster than --mode at its best settings (low acceptance), "
+                    "speculating now and then to keep learning acceptance")
     ap.add_argument("--driver", default="auto", choices=["auto", "single", "processes"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="weights and compute (bfloat16 on GPU/TPU; float32 is faster on CPU)")
@@ -91,7 +95,11 @@ def main(argv=None) -> int:
         distributed.initialize()  # multi-host jobs: join before anything touches a device
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-        spec_kw = dict(budget=args.budget, fanout=args.fanout, backup=args.backup, c=args.c)
+        if args.ar_fallback and args.k is not None:
+            raise ValueError(f"--ar-fallback follows the automatic settings, and --k {args.k} "
+                             "fixes them: drop --k or --ar-fallback")
+        spec_kw = dict(budget=args.budget, fanout=args.fanout, backup=args.backup, c=args.c,
+                       ar_fallback=args.ar_fallback)
         spec = SpecConfig(k=args.k, **spec_kw)
         mesh = parse_mesh(args.mesh)
         # AR needs no draft, except that worker processes always start both models.
@@ -125,11 +133,15 @@ def main(argv=None) -> int:
         m = llm.last_metrics
         line = (f"[{args.mode}] {m.new_tokens} tokens, TTFT {1e3 * m.ttft_s:.0f} ms, decode "
                 f"{m.decode_tok_s:.1f} tok/s")
-        if args.mode != "ar":
+        if m.mode != "ar":
             line += f", {m.tokens_per_round:.2f} tokens/round"
         if m.ssd is not None:
             line += f", cache hit rate {m.ssd.hit_rate:.2f}"
-        if m.settings is not None:
+        if m.settings is not None and m.settings.get("ar_fallback"):
+            p = m.settings["predicted"]
+            line += (f"; ran AR steps (--ar-fallback): the speed model predicted "
+                     f"{args.mode.upper()} at {p[args.mode]:.1f} tok/s, AR at {p['ar']:.1f}")
+        elif m.settings is not None:
             line += f"; K={m.settings['k']}, M={m.settings['budget']}, backup {m.settings['backup']}"
             if args.mode == "ssd" and params.temperature > 0:
                 line += f", Saguaro C={m.settings['c']:g}"

@@ -31,6 +31,13 @@ from ssd_jax.sharding import split_devices
 
 log = logging.getLogger(__name__)
 STEADY_ROUNDS = 20  # rounds per row before a run's hit rate teaches the hit model's r
+# SpecConfig.ar_fallback: AR tokens decoded in place of a speculative mode before one run
+# speculates again to refresh the pair's acceptance, at least; and at least PROBE_RATIO times
+# the tokens of the last speculative run, so a probe (a whole run, however long) stays a
+# fifth of the decoding at most. AR learns nothing of acceptance, so without probes a
+# fallback, once taken, would never be left.
+PROBE_TOKENS = 256
+PROBE_RATIO = 4
 Shapes = tuple[int, int, int]  # (padded batch, prompt bucket, cache length)
 
 
@@ -96,6 +103,9 @@ class Engine:
         self._curve = None  # the latest Saguaro curve (saguaro_curve.py), for learn()
         self._curve_key = None  # its key in the tuning store
         self._logged_choice: autotune.Choice | None = None
+        # ar_fallback: AR tokens decoded in place of speculation since the last speculative
+        # run, and that run's tokens
+        self._fallback_tokens, self._probe_tokens = 0, 0
 
     # ---------------------------------------------------------------- models, loaded on use
     @property
@@ -445,12 +455,15 @@ class Engine:
         if choice != self._logged_choice:  # warmup and the run choose alike: say it once
             log.info("automatic settings (%s): %s", mode.upper(), choice.describe())
             if choice.ar_is_faster(mode):
-                # Said, not acted on: the run is the mode asked for (a bench cell, a user
-                # comparing modes), and acceptance is only learnt from speculative runs.
+                # Acted on only with ar_fallback (run): otherwise the run is the mode asked
+                # for (a bench cell, a user comparing modes).
+                what = ("runs decode with AR steps instead (ar_fallback), speculating now and "
+                        "then to keep learning acceptance" if spec.ar_fallback else
+                        "mode='ar' (--mode ar) would be faster for this workload, or "
+                        "SpecConfig(ar_fallback=True) (--ar-fallback) to switch on its own")
                 log.warning("the speed model predicts %s at %.1f tok/s, below AR's %.1f, with "
-                            "this pair's recent acceptance (a=%.2f): mode='ar' (--mode ar) "
-                            "would be faster for this workload", mode.upper(),
-                            choice.tok_s[mode], choice.tok_s["ar"], choice.a)
+                            "this pair's recent acceptance (a=%.2f): %s", mode.upper(),
+                            choice.tok_s[mode], choice.tok_s["ar"], choice.a, what)
             self._logged_choice = choice
         return replace(spec, k=choice.k, budget=choice.budget,
                        backup=spec.backup or choice.backup,
@@ -500,9 +513,11 @@ class Engine:
         greedy run's hit rate: the model with the prior r said 0.88 where code hit 0.77) and
         how much slower its two sides ran side by side than alone, an SD run its drafting,
         AR and SD runs their target steps (_learn_scales).
+        `mode`: the mode the run was asked for (its device split); an ar_fallback run
+        (metrics.mode "ar") teaches the AR steps of that split.
         `greedy`: every row of the run was greedy."""
-        if mode == "ar":
-            self._learn_ar_scale(metrics, sampled=not greedy)
+        if metrics.mode == "ar":
+            self._learn_ar_scale(metrics, mode, sampled=not greedy)
             return
         rounds = sum(metrics.accept_hist)
         if rounds < 8:
@@ -549,7 +564,8 @@ class Engine:
         alone (a bench probing a new workload; a server whose traffic changed kind)."""
         autotune.TuneStore(autotune.store_path(self.cache_dir)).forget(self._pair)
 
-    def _learn_ar_scale(self, metrics: RunMetrics, sampled: bool = False) -> None:
+    def _learn_ar_scale(self, metrics: RunMetrics, asked: str = "ar", sampled: bool = False
+                        ) -> None:
         """An AR run's steps against target(1) (autotune.target_scale_of_run), where step
         costs are stored for its batch and split. Timed a chunk at a time (the host reads
         sync_every steps at once), without the first: a new program compiles inside it (a
@@ -558,7 +574,7 @@ class Engine:
         chunks = metrics.step_chunks[1:]
         if len(chunks) < 8:
             return
-        key = self._cost_key("ar", 1 << (metrics.batch - 1).bit_length(), sampled)[0]
+        key = self._cost_key(asked, 1 << (metrics.batch - 1).bit_length(), sampled)[0]
         store = autotune.TuneStore(autotune.store_path(self.cache_dir))
         costs = store.costs(key)
         got = None if costs is None else autotune.target_scale_of_run(costs, 1, chunks)
@@ -681,7 +697,43 @@ class Engine:
         self.last_choice = choice
         settings = self._settings(spec, mode, choice, rows,
                                   all(p.temperature == 0 for p in params))
-        if self.driver(mode) == "processes":
+        if self._falls_back(mode, spec, choice):
+            # AR where the asked mode's target runs (its driver, devices and cost entry);
+            # the settings say what was chosen and why it did not run.
+            settings["ar_fallback"] = True
+            ran, counter = "ar", "_fallback_tokens"
+        else:
+            ran, counter = mode, "_probe_tokens" if mode != "ar" else None
+            if mode != "ar":
+                self._fallback_tokens, self._probe_tokens = 0, 0
+        chunks = self._run_mode(ids, params, stops, ran, mode, seq_len, spec, settings,
+                                sync_phases)
+        try:
+            for chunk, metrics in chunks:
+                if counter:
+                    setattr(self, counter, getattr(self, counter) + sum(map(len, chunk)))
+                yield chunk, metrics
+        finally:
+            chunks.close()  # a caller that stops reading stops the run (a pod finishes it)
+
+    def _falls_back(self, mode: str, spec: SpecConfig, choice: autotune.Choice | None
+                    ) -> bool:
+        """Whether this run decodes with AR in place of `mode` (SpecConfig.ar_fallback)."""
+        if mode == "ar" or choice is None or not spec.ar_fallback:
+            return False
+        if not choice.ar_is_faster(mode):
+            return False
+        if self._fallback_tokens >= max(PROBE_TOKENS, PROBE_RATIO * self._probe_tokens):
+            log.info("ar_fallback: %d tokens decoded with AR; this run speculates (%s) to "
+                     "refresh the pair's acceptance", self._fallback_tokens, mode.upper())
+            return False
+        return True
+
+    def _run_mode(self, ids, params, stops, mode: str, asked: str, seq_len: int,
+                  spec: SpecConfig, settings: dict | None, sync_phases: bool
+                  ) -> Iterator[tuple[list[list[int]], RunMetrics]]:
+        """A run of `mode` with the driver of `asked` (the mode the caller asked for)."""
+        if self.driver(asked) == "processes":
             metrics = RunMetrics(mode=mode, batch=len(ids), settings=settings)
             yield from self._run_in_workers(ids, params, stops, mode, seq_len, spec, metrics)
             return

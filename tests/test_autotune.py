@@ -345,3 +345,44 @@ def test_cached_costs_are_per_xla_flags_but_not_per_device_count(monkeypatch):
     assert key() == wide
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_prefer_vector_width=256")
     assert key() != wide
+
+
+def test_ar_fallback_decodes_with_ar_and_probes(tiny_llama, tmp_path, caplog, monkeypatch):
+    """SpecConfig(ar_fallback=True): where the model predicts AR faster, runs decode with AR
+    (equal to an AR run), say why, and speculate again once enough AR tokens have gone by;
+    settings given never fall back."""
+    from ssd_jax import SamplingParams
+    from ssd_jax import engine as engine_mod
+    from ssd_jax.config import SpecConfig
+    with pytest.raises(ValueError, match="ar_fallback='yes' is invalid"):
+        SpecConfig(ar_fallback="yes")
+    monkeypatch.setattr(engine_mod, "PROBE_TOKENS", 30)
+    llm = _noisy_pair(tiny_llama, tmp_path, max_batch=1)
+    store = TuneStore(tmp_path / "autotune.json")
+    p = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    prompt = [[5, 6, 7, 8]]
+    ar = llm.generate(prompt, p, mode="ar")[0].token_ids
+    fallback = SpecConfig(ar_fallback=True)
+    llm.settings("sd", spec=fallback)  # measures the step costs, runs nothing
+    llm.core.forget_acceptance()
+    store.observe("model|model", 0.05, rounds=autotune.ACCEPT_WINDOW)
+    ran = []
+    with caplog.at_level("INFO"):
+        for _ in range(5):
+            out = llm.generate(prompt, p, mode="sd", spec=fallback)[0]
+            assert out.token_ids == ar
+            ran.append(out.metrics.mode)
+            if out.metrics.mode == "ar":
+                s = out.metrics.settings
+                assert s["ar_fallback"] and s["automatic"]
+                assert s["predicted"]["ar"] > s["predicted"]["sd"]
+            else:  # the probe teaches acceptance again: keep it low for the runs after
+                store.observe("model|model", 0.05, rounds=autotune.ACCEPT_WINDOW)
+    # 12 tokens a run: AR, AR, AR (36 >= 30), then the probe, then AR again (its 12 tokens
+    # need max(30, 4 x 12) before the next probe).
+    assert ran == ["ar", "ar", "ar", "sd", "ar"]
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "instead (ar_fallback)" in said and "refresh the pair's acceptance" in said
+    # Settings given are never overridden.
+    given = SpecConfig(k=2, ar_fallback=True)
+    assert llm.generate(prompt, p, mode="sd", spec=given)[0].metrics.mode == "sd"

@@ -156,10 +156,23 @@ def test_incomplete_hf_config_and_cut_safetensors_are_one_line_errors(tiny_qwen2
 
 
 def test_caller_holds_no_weights_with_worker_processes():
-    """With the worker-process driver only the workers load the models."""
-    from ssd_jax import LLM, EngineConfig, SamplingParams
-    with LLM("smollm2", draft="smollm2-draft", engine=EngineConfig(driver="processes")) as llm:
-        out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=4), mode="ssd")
-        assert len(out[0].token_ids) == 4
+    """With the worker-process driver only the workers load the models; an SSD run that falls
+    back to AR (SpecConfig.ar_fallback) runs in the target's worker too, not in the caller
+    (where AR alone would run), and equals AR."""
+    from ssd_jax import LLM, SamplingParams, autotune
+    from ssd_jax.config import SpecConfig
+    p, prompt = SamplingParams(max_new_tokens=12, ignore_eos=True), [[1, 2, 3, 4]]
+    with LLM("smollm2", draft="smollm2-draft") as llm:  # driver auto: SSD in workers on CPU
+        assert llm.driver("ssd") == "processes" and llm.driver("ar") == "single"
+        out = llm.generate(prompt, p, mode="ssd")
+        assert len(out[0].token_ids) == 12 and out[0].metrics.mode == "ssd"
         core = llm.core
         assert core._model is None and core._draft_model is None and not core._runners
+        core.forget_acceptance()  # a workload this pair cannot speculate on
+        store = autotune.TuneStore(autotune.store_path(None))
+        store.observe(core._pair, 0.02, rounds=autotune.ACCEPT_WINDOW)
+        fell = llm.generate(prompt, p, mode="ssd", spec=SpecConfig(ar_fallback=True))[0]
+        assert fell.metrics.mode == "ar" and fell.metrics.settings["ar_fallback"]
+        assert core._model is None and not core._runners
+        core.forget_acceptance()
+        assert fell.token_ids == llm.generate(prompt, p, mode="ar")[0].token_ids
