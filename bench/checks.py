@@ -35,6 +35,9 @@ def validate(args) -> tuple[list[str], list[Point]]:
     if args.k is None and (args.budget or args.sweep_budget) and not args.sweep_k:
         raise BenchError("--k auto chooses the budget with K: drop --budget / --sweep-budget, "
                          "or give K (--k N or --sweep-k)")
+    if args.ar_fallback and args.k is not None:
+        raise BenchError("--ar-fallback follows the engine's automatic choice: use it with "
+                         "--k auto")
     if args.grid and not (args.sweep_k and args.sweep_budget):
         raise BenchError("--grid needs both --sweep-k and --sweep-budget")
     pairs = ([(k, m) for k in args.sweep_k for m in args.sweep_budget] if args.grid else

@@ -107,6 +107,10 @@ def parser() -> argparse.ArgumentParser:
     a("--all-cores", action="store_true",
       help="with worker processes: also time AR and SD in one process over all usable cores "
       "(what a CPU user without SSD would run), as modes ar-all and sd-all")
+    a("--ar-fallback", action="store_true",
+      help="with --k auto: SD/SSD cells whose automatic choice the speed model predicts slower "
+      "than AR decode as SpecConfig(ar_fallback=True) does (AR calls, a speculative one now "
+      "and then); each such cell reports how many answers ran AR")
     a("--peers", action="store_true",
       help="also time transformers AR and transformers assisted generation (our draft)")
     a("--torch-threads", type=int, default=None,
@@ -199,7 +203,8 @@ def run(args, argv) -> dict:
     for s in suites:
         ids[s], how = encode(llm, prompts[s])
     cells = Cells(llm, out_len=args.output_len, seed=args.seed,
-                  ignore_eos=not args.stop_at_eos, progress=not args.no_progress)
+                  ignore_eos=not args.stop_at_eos, progress=not args.no_progress,
+                  ar_fallback=args.ar_fallback)
     jobs, seen = [], set()
     for point in points:
         for mode in modes:
@@ -212,7 +217,7 @@ def run(args, argv) -> dict:
 
     def calibrate(mode, point, suite, cell) -> None:
         if (mode != "ar" and not args.no_phases and suite == suites[0]
-                and cell["phases"] is None):
+                and cell["phases"] is None and cell.get("ar_fallback_answers") is None):
             n = max(args.calib_prompts, point.batch)
             calibration.append(dict(mode=mode, point=dataclasses.asdict(point.for_mode(mode)),
                                     phases=cells.calibrate(mode, point, ids[suite][:n])))
@@ -259,7 +264,8 @@ def run(args, argv) -> dict:
                      "computation over them), the choice of a CPU user without SSD.")
     threads = args.torch_threads or (1 if driver == "processes" else os.cpu_count())
     if args.peers:
-        chosen = [c["k"] for c in out_cells if c["mode"] == "sd" and c.get("automatic")]
+        chosen = [c["k"] for c in out_cells if c["mode"] == "sd" and c.get("automatic")
+                  and c["k"] is not None]  # not a cell that fell back (--ar-fallback)
         out_cells += extra("--peers", lambda: run_peers(
             args, points[0], suites, ids, needs_draft, threads,
             peer_k=chosen[0] if chosen else 4))
@@ -270,6 +276,13 @@ def run(args, argv) -> dict:
                          + (" on CPU devices of one process" if split else "") + ": draft and "
                          "target share the same cores, so the draft's work is not overlapped "
                          "with verification (the speed model assumes it is).")
+    for c in out_cells:
+        if c.get("ar_fallback_answers") is not None:
+            notes.append(f"{c['mode'].upper()} on {c['suite']} (--ar-fallback): the speed model "
+                         f"predicted AR faster ({c['settings']['predicted']['ar']:.1f} against "
+                         f"{c['settings']['predicted'][c['mode']]:.1f} tok/s at its best "
+                         f"settings), and the engine decoded {c['ar_fallback_answers']} of "
+                         f"{c['num_prompts']} answers with AR, the others speculating.")
     if args.interleave and len(jobs) > 1:
         notes.append("The cells were timed batch by batch in turn (--interleave): the "
                       "machine's drift during the run fell on every cell alike.")

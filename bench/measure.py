@@ -27,10 +27,14 @@ class Point:
     temperature: float
     top_p: float
     batch: int
+    # --ar-fallback: a cell whose automatic choice the model predicts slower than AR, left
+    # unpinned so that the engine decides call by call (SpecConfig.ar_fallback)
+    ar_fallback: bool = False
 
     def for_mode(self, mode: str) -> "Point":
         if mode in ("ar", "hf-ar"):
-            return dataclasses.replace(self, k=None, budget=None, fanout=None, c=None, backup=None)
+            return dataclasses.replace(self, k=None, budget=None, fanout=None, c=None, backup=None,
+                                       ar_fallback=False)
         if mode in ("sd", "hf-assisted"):
             return dataclasses.replace(self, budget=None, fanout=None, c=None, backup=None)
         return self
@@ -39,7 +43,7 @@ class Point:
         from ssd_jax.config import SpecConfig
         kw = {f: getattr(self, f) for f in ("k", "budget", "fanout", "c", "backup")
               if getattr(self, f) is not None}
-        return SpecConfig(**kw)
+        return SpecConfig(**kw, ar_fallback=self.ar_fallback)
 
 
 def encode(llm, prompts, chat: bool = True) -> tuple[list[list[int]], str]:
@@ -65,9 +69,10 @@ def sampling(point: Point, n: int, out_len: int, seed: int, ignore_eos: bool):
 class Cells:
     """Runs cells on one LLM; remembers which shapes are compiled."""
 
-    def __init__(self, llm, *, out_len: int, seed: int, ignore_eos: bool, progress: bool):
+    def __init__(self, llm, *, out_len: int, seed: int, ignore_eos: bool, progress: bool,
+                 ar_fallback: bool = False):
         self.llm, self.out_len, self.seed, self.ignore_eos = llm, out_len, seed, ignore_eos
-        self.progress = progress
+        self.progress, self.ar_fallback = progress, ar_fallback
         self.warm: set = set()
 
     def _batches(self, ids, point):
@@ -119,6 +124,11 @@ class Cells:
                    if point.temperature > 0 else None)  # Saguaro's C is chosen for it
         spec, settings = self.llm.settings(mode, rows=point.batch, spec=point.spec(),
                                            sampling_params=sampled)
+        if (self.ar_fallback and settings is not None
+                and settings["predicted"]["ar"] > settings["predicted"][mode]):
+            # What SpecConfig(ar_fallback=True) gives a user: AR calls, a speculative one now
+            # and then (the engine's rule); nothing to pin.
+            return dataclasses.replace(point, ar_fallback=True), settings
         return dataclasses.replace(point, k=spec.k, budget=spec.budget, backup=spec.backup,
                                    fanout=spec.fanout, c=spec.c), settings
 
@@ -128,8 +138,9 @@ class Cells:
         the cell): an automatic cell's choice's, AR's from the target's step (measuring step
         costs if none are stored; an AR warm-up answer teaches their decode-time multiple),
         given settings' at them (greedy cells only)."""
-        if chosen is not None:
-            return chosen.get("predicted_tok_s")
+        if chosen is not None:  # a cell that falls back expects AR's speed
+            return chosen["predicted"]["ar"] if point.ar_fallback else chosen.get(
+                "predicted_tok_s")
         if mode == "ar":
             return self.llm.core.ar_prediction(1 << (point.batch - 1).bit_length(),
                                                measure=True, sampled=point.temperature > 0)
@@ -159,9 +170,12 @@ class Cells:
         probe, _ = self.pin(mode, point)
         for _ in range(PROBES):
             self.llm.core.forget_acceptance()
+            # Probes speculate, also where the choice falls back: they teach the acceptance
+            # that choice is made from.
+            speculate = dataclasses.replace(probe, ar_fallback=False).spec()
             for b in self._batches(ids, point):
                 self.llm.generate([ids[i] for i in b], [params[i] for i in b], mode=mode,
-                                  chat=False, spec=probe.spec())
+                                  chat=False, spec=speculate)
             chosen, _ = self.pin(mode, point)
             if chosen == probe:
                 return
@@ -242,6 +256,7 @@ class Agg:
         self.predicted: float | None = None  # the speed model's tok/s, before timing
         self.hit = self.miss = None
         self.all_hit_w = 0.0
+        self.ar_answers = 0  # --ar-fallback: answers the engine decoded with AR
 
     def add(self, rows, outs):
         m = outs[0].metrics
@@ -255,6 +270,8 @@ class Agg:
         self.draft += m.draft_s
         self.ttft.append(m.ttft_s)
         self.settings = m.settings
+        if m.mode == "ar" and (m.settings or {}).get("ar_fallback"):
+            self.ar_answers += len(rows)
         if m.accept_hist:
             self.hist = _acc(self.hist, m.accept_hist)
         if m.ssd is not None:
@@ -308,7 +325,9 @@ class Agg:
             acceptance=(sum(k * c for k, c in enumerate(self.hist)) / (rounds * (len(self.hist) - 1))
                         if rounds and len(self.hist) > 1 else None),
             accept_hist=None if self.hist is None else self.hist.tolist(), ssd=ssd,
-            phases=self.phases() if mode != "ar" else None,
+            # AR calls and speculative ones mixed: no one round to time
+            phases=self.phases() if mode != "ar" and not self.point.ar_fallback else None,
+            ar_fallback_answers=self.ar_answers if self.point.ar_fallback else None,
             warmup_s=warm_s, finish=[self.finish[i] for i in range(n)],
             outputs=[self.outputs[i] for i in range(n)])
 

@@ -107,6 +107,29 @@ def test_automatic_k_with_a_grid_sweep_beside_it(pair, tmp_path, monkeypatch):
     assert res["config"]["interleaved"] and all(c["num_prompts"] == 2 for c in res["cells"])
 
 
+def test_ar_fallback_cells_decode_with_ar_where_predicted_faster(pair, tmp_path, monkeypatch):
+    """--k auto --ar-fallback: a cell whose automatic choice the model predicts below AR (SD
+    with a draft as large as its target) is left to the engine's fallback: its answers ran
+    AR, it says how many, its prediction is AR's, and its outputs are AR's."""
+    import ssd_jax.autotune as autotune
+    monkeypatch.setattr(autotune, "store_path", lambda cache_dir=None: tmp_path / "tune.json")
+    argv = ["--mode", "all", "--target", pair[0], "--draft", pair[1], "--suite", "code",
+            "--num-prompts", "2", "--output-len", "12", "--k", "auto", "--ar-fallback",
+            "--driver", "single", "--no-progress", "--no-phases",
+            "--json", str(tmp_path / "r.json")]
+    assert main(argv) == 0
+    res = json.loads((tmp_path / "r.json").read_text())
+    ar = next(c for c in res["cells"] if c["mode"] == "ar")["outputs"]
+    assert all(c["outputs"] == ar for c in res["cells"])
+    sd = next(c for c in res["cells"] if c["mode"] == "sd")
+    assert sd["settings"]["predicted"]["ar"] > sd["settings"]["predicted"]["sd"]
+    assert sd["ar_fallback_answers"] == 2 and sd["k"] is None and sd["phases"] is None
+    assert sd["predicted_tok_s"] == sd["settings"]["predicted"]["ar"]
+    assert any("decoded 2 of 2 answers with AR" in n for n in res["notes"])
+    for c in res["cells"]:  # a cell that did not fall back is pinned as without the flag
+        assert (c.get("ar_fallback_answers") is None) == (c["mode"] == "ar" or c["k"] is not None)
+
+
 def test_interleaved_cells_take_turns(monkeypatch):
     """--interleave: every cell is prepared (probed, pinned, compiled) before any is timed, then
     batch j of every cell runs before batch j+1 of any, the first cell rotating."""
@@ -230,6 +253,7 @@ def test_math_answers():
 # ------------------------------------------------------------------ bad flags
 @pytest.mark.parametrize("argv, needle", [
     (["--suite", "poetry"], "unknown suite 'poetry': use one of code, math, instructions, chat"),
+    (["--k", "3", "--ar-fallback"], "use it with --k auto"),
     (["--k", "0"], "K=0 is invalid: lookahead must be >= 1"),
     (["--k", "four"], "'four' is not a lookahead: give an integer or auto"),
     (["--grid", "--sweep-k", "2"], "--grid needs both --sweep-k and --sweep-budget"),
