@@ -257,6 +257,7 @@ class Agg:
         self.hit = self.miss = None
         self.all_hit_w = 0.0
         self.ar_answers = 0  # --ar-fallback: answers the engine decoded with AR
+        self.calls: list[dict] = []  # --ar-fallback: each call as it ran
 
     def add(self, rows, outs):
         m = outs[0].metrics
@@ -270,8 +271,15 @@ class Agg:
         self.draft += m.draft_s
         self.ttft.append(m.ttft_s)
         self.settings = m.settings
-        if m.mode == "ar" and (m.settings or {}).get("ar_fallback"):
-            self.ar_answers += len(rows)
+        if self.point.ar_fallback:
+            # AR calls and speculative ones at whatever K the engine chose call by call: the
+            # acceptance histograms do not add up; each call is kept as it ran instead.
+            if m.mode == "ar" and (m.settings or {}).get("ar_fallback"):
+                self.ar_answers += len(rows)
+            self.calls.append(dict(mode=m.mode, k=m.k, answers=len(rows),
+                                   decode_tok_s=m.decode_tok_s, accept_hist=m.accept_hist,
+                                   hit_rate=m.ssd and m.ssd.hit_rate))
+            return
         if m.accept_hist:
             self.hist = _acc(self.hist, m.accept_hist)
         if m.ssd is not None:
@@ -328,6 +336,7 @@ class Agg:
             # AR calls and speculative ones mixed: no one round to time
             phases=self.phases() if mode != "ar" and not self.point.ar_fallback else None,
             ar_fallback_answers=self.ar_answers if self.point.ar_fallback else None,
+            ar_fallback_calls=self.calls if self.point.ar_fallback else None,
             warmup_s=warm_s, finish=[self.finish[i] for i in range(n)],
             outputs=[self.outputs[i] for i in range(n)])
 

@@ -130,6 +130,27 @@ def test_ar_fallback_cells_decode_with_ar_where_predicted_faster(pair, tmp_path,
         assert (c.get("ar_fallback_answers") is None) == (c["mode"] == "ar" or c["k"] is not None)
 
 
+def test_a_fallback_cell_keeps_each_call_as_it_ran():
+    """A cell left to the engine's fallback mixes AR calls with speculative ones at whatever K
+    each chose (K=3, then K=1 on the real pair): it adds up tokens and seconds, and keeps the
+    calls apart instead of summing their acceptance histograms."""
+    from types import SimpleNamespace
+    from bench import measure
+    from ssd_jax.core.metrics import RunMetrics
+    point = measure.Point(k=None, budget=None, fanout=None, c=None, backup=None,
+                          temperature=0.0, top_p=1.0, batch=1, ar_fallback=True)
+    agg = measure.Agg(point, "processes")
+    for i, m in enumerate([RunMetrics("sd", 1, accept_hist=[1, 0, 2, 5], k=3),
+                           RunMetrics("sd", 1, accept_hist=[3, 4], k=1),
+                           RunMetrics("ar", 1, settings=dict(ar_fallback=True))]):
+        agg.add([i], [SimpleNamespace(metrics=m, token_ids=[1, 2], finish_reason="length")])
+    cell = agg.cell("sd", "chat", 0.0)
+    assert cell["ar_fallback_answers"] == 1 and cell["num_prompts"] == 3
+    assert [(c["mode"], c["k"]) for c in cell["ar_fallback_calls"]] == [
+        ("sd", 3), ("sd", 1), ("ar", 0)]
+    assert cell["accept_hist"] is None and cell["phases"] is None
+
+
 def test_interleaved_cells_take_turns(monkeypatch):
     """--interleave: every cell is prepared (probed, pinned, compiled) before any is timed, then
     batch j of every cell runs before batch j+1 of any, the first cell rotating."""
