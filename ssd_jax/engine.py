@@ -701,17 +701,19 @@ class Engine:
             # AR where the asked mode's target runs (its driver, devices and cost entry);
             # the settings say what was chosen and why it did not run.
             settings["ar_fallback"] = True
-            ran, counter = "ar", "_fallback_tokens"
+            ran = "ar"
         else:
-            ran, counter = mode, "_probe_tokens" if mode != "ar" else None
-            if mode != "ar":
+            ran = mode
+            if mode != "ar":  # a speculative run: the fallback's count starts again
                 self._fallback_tokens, self._probe_tokens = 0, 0
         chunks = self._run_mode(ids, params, stops, ran, mode, seq_len, spec, settings,
                                 sync_phases)
         try:
             for chunk, metrics in chunks:
-                if counter:
-                    setattr(self, counter, getattr(self, counter) + sum(map(len, chunk)))
+                if ran != mode:
+                    self._fallback_tokens += sum(map(len, chunk))
+                elif mode != "ar":
+                    self._probe_tokens += sum(map(len, chunk))
                 yield chunk, metrics
         finally:
             chunks.close()  # a caller that stops reading stops the run (a pod finishes it)
