@@ -217,7 +217,7 @@ def run(args, argv) -> dict:
 
     def calibrate(mode, point, suite, cell) -> None:
         if (mode != "ar" and not args.no_phases and suite == suites[0]
-                and cell["phases"] is None and cell.get("ar_fallback_answers") is None):
+                and cell["phases"] is None):
             n = max(args.calib_prompts, point.batch)
             calibration.append(dict(mode=mode, point=dataclasses.asdict(point.for_mode(mode)),
                                     phases=cells.calibrate(mode, point, ids[suite][:n])))
@@ -265,7 +265,7 @@ def run(args, argv) -> dict:
     threads = args.torch_threads or (1 if driver == "processes" else os.cpu_count())
     if args.peers:
         chosen = [c["k"] for c in out_cells if c["mode"] == "sd" and c.get("automatic")
-                  and c["k"] is not None]  # not a cell that fell back (--ar-fallback)
+                  and c["k"] is not None]
         out_cells += extra("--peers", lambda: run_peers(
             args, points[0], suites, ids, needs_draft, threads,
             peer_k=chosen[0] if chosen else 4))
@@ -278,11 +278,12 @@ def run(args, argv) -> dict:
                          "with verification (the speed model assumes it is).")
     for c in out_cells:
         if c.get("ar_fallback_answers") is not None:
-            notes.append(f"{c['mode'].upper()} on {c['suite']} (--ar-fallback): the speed model "
-                         f"predicted AR faster ({c['settings']['predicted']['ar']:.1f} against "
-                         f"{c['settings']['predicted'][c['mode']]:.1f} tok/s at its best "
-                         f"settings), and the engine decoded {c['ar_fallback_answers']} of "
-                         f"{c['num_prompts']} answers with AR, the others speculating.")
+            p = c["settings"]["predicted"]
+            notes.append(f"{c['mode'].upper()} on {c['suite']} (--ar-fallback, K={c['k']}): the "
+                         f"engine decoded {c['ar_fallback_answers']} of {c['num_prompts']} "
+                         f"answers with AR, where the speed model predicted AR faster at the "
+                         f"time, the others speculating (when pinned: {c['mode'].upper()} "
+                         f"{p[c['mode']]:.1f} tok/s, AR {p['ar']:.1f}).")
     if args.interleave and len(jobs) > 1:
         notes.append("The cells were timed batch by batch in turn (--interleave): the "
                       "machine's drift during the run fell on every cell alike.")

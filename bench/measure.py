@@ -27,8 +27,9 @@ class Point:
     temperature: float
     top_p: float
     batch: int
-    # --ar-fallback: a cell whose automatic choice the model predicts slower than AR, left
-    # unpinned so that the engine decides call by call (SpecConfig.ar_fallback)
+    # --ar-fallback: an automatic cell pinned to its choice, whose calls the engine decodes
+    # with AR where it predicts that choice slower than AR, call by call
+    # (SpecConfig.ar_fallback)
     ar_fallback: bool = False
 
     def for_mode(self, mode: str) -> "Point":
@@ -85,20 +86,28 @@ class Cells:
 
     def warmup(self, mode: str, point: Point, ids, params) -> float:
         t0 = time.perf_counter()
+        # A cell that may fall back compiles both of its programs: its speculative one
+        # (ar_fallback off, or the engine might run AR) and AR's. The bench runs every mode
+        # with one driver, so AR's compile is the one its calls that fall back run.
+        plans = [(mode, dataclasses.replace(point, ar_fallback=False))]
+        if point.ar_fallback:
+            plans.append(("ar", point.for_mode("ar")))
         for b in self._batches(ids, point):
             args = ([ids[i] for i in b], [params[i] for i in b])
-            kw = dict(mode=mode, chat=False, spec=point.spec())
-            key = (mode, point.for_mode(mode), params[0].temperature == 0,
-                   self.llm.shapes(*args, **kw))
-            if key in self.warm:
-                continue
-            if self.driver(mode) == "processes":
-                # A full generate: LLM.warmup stops after the first chunk, and closing the
-                # worker stream early stops the worker pool (its programs would recompile).
-                self.llm.generate(*args, **kw)
-            else:
-                self.llm.warmup(*args, **kw)
-            self.warm.add(key)
+            for m, p in plans:
+                kw = dict(mode=m, chat=False, spec=p.spec())
+                key = (m, p.for_mode(m), params[0].temperature == 0,
+                       self.llm.shapes(*args, **kw))
+                if key in self.warm:
+                    continue
+                if self.driver(m) == "processes":
+                    # A full generate: LLM.warmup stops after the first chunk, and closing
+                    # the worker stream early stops the worker pool (its programs would
+                    # recompile).
+                    self.llm.generate(*args, **kw)
+                else:
+                    self.llm.warmup(*args, **kw)
+                self.warm.add(key)
         return time.perf_counter() - t0
 
     def _generate(self, mode, point, ids, params, agg, bar=None, sync_phases: bool = False):
@@ -124,13 +133,13 @@ class Cells:
                    if point.temperature > 0 else None)  # Saguaro's C is chosen for it
         spec, settings = self.llm.settings(mode, rows=point.batch, spec=point.spec(),
                                            sampling_params=sampled)
-        if (self.ar_fallback and settings is not None
-                and settings["predicted"]["ar"] > settings["predicted"][mode]):
-            # What SpecConfig(ar_fallback=True) gives a user: AR calls, a speculative one now
-            # and then (the engine's rule); nothing to pin.
-            return dataclasses.replace(point, ar_fallback=True), settings
+        # --ar-fallback: what SpecConfig(ar_fallback=True) gives a user, call by call with what
+        # the store holds then (pinned, the choice is predicted before the AR cell's answers
+        # teach AR's speed: the first run pinned cells against an AR prediction 15% low); K
+        # stays pinned, so the speculative calls' rounds add up and compile once.
         return dataclasses.replace(point, k=spec.k, budget=spec.budget, backup=spec.backup,
-                                   fanout=spec.fanout, c=spec.c), settings
+                                   fanout=spec.fanout, c=spec.c,
+                                   ar_fallback=self.ar_fallback), settings
 
     def predicted(self, mode: str, point: Point, chosen: dict | None) -> float | None:
         """The speed model's tok/s for a pinned cell, fixed before it is timed and after its
@@ -138,9 +147,9 @@ class Cells:
         the cell): an automatic cell's choice's, AR's from the target's step (measuring step
         costs if none are stored; an AR warm-up answer teaches their decode-time multiple),
         given settings' at them (greedy cells only)."""
-        if chosen is not None:  # a cell that falls back expects AR's speed
-            return chosen["predicted"]["ar"] if point.ar_fallback else chosen.get(
-                "predicted_tok_s")
+        if chosen is not None:  # a cell that may fall back expects the faster of the two
+            p = chosen["predicted"]
+            return max(p[mode], p["ar"]) if point.ar_fallback else p[mode]
         if mode == "ar":
             return self.llm.core.ar_prediction(1 << (point.batch - 1).bit_length(),
                                                measure=True, sampled=point.temperature > 0)
@@ -221,6 +230,7 @@ class Cells:
         its phases, so its cells carry them already and need no separate pass."""
         params = sampling(point, len(ids), self.out_len, self.seed, self.ignore_eos)
         point, _ = self.pin(mode, point)
+        point = dataclasses.replace(point, ar_fallback=False)  # the rounds of its choice
         self.warmup(mode, point, ids, params)
         agg = Agg(point.for_mode(mode), self.driver(mode))
         self._generate(mode, point, ids, params, agg, sync_phases=True)
@@ -266,20 +276,20 @@ class Agg:
         self.decode_tokens += m.decode_tokens
         self.decode_s += m.decode_s
         self.row_tokens += m.decode_tokens / max(len(rows), 1)
-        self.steps += m.decode_steps
-        self.verify += m.verify_s
-        self.draft += m.draft_s
         self.ttft.append(m.ttft_s)
         self.settings = m.settings
-        if self.point.ar_fallback:
-            # AR calls and speculative ones at whatever K the engine chose call by call: the
-            # acceptance histograms do not add up; each call is kept as it ran instead.
-            if m.mode == "ar" and (m.settings or {}).get("ar_fallback"):
-                self.ar_answers += len(rows)
+        if self.point.ar_fallback:  # each call as it ran: AR, or speculating
             self.calls.append(dict(mode=m.mode, k=m.k, answers=len(rows),
                                    decode_tok_s=m.decode_tok_s, accept_hist=m.accept_hist,
                                    hit_rate=m.ssd and m.ssd.hit_rate))
-            return
+            if m.mode == "ar" and (m.settings or {}).get("ar_fallback"):
+                # Its steps are AR's: the cell's rounds, acceptance and phases are those of
+                # the calls that speculated.
+                self.ar_answers += len(rows)
+                return
+        self.steps += m.decode_steps
+        self.verify += m.verify_s
+        self.draft += m.draft_s
         if m.accept_hist:
             self.hist = _acc(self.hist, m.accept_hist)
         if m.ssd is not None:
@@ -333,8 +343,7 @@ class Agg:
             acceptance=(sum(k * c for k, c in enumerate(self.hist)) / (rounds * (len(self.hist) - 1))
                         if rounds and len(self.hist) > 1 else None),
             accept_hist=None if self.hist is None else self.hist.tolist(), ssd=ssd,
-            # AR calls and speculative ones mixed: no one round to time
-            phases=self.phases() if mode != "ar" and not self.point.ar_fallback else None,
+            phases=self.phases() if mode != "ar" else None,  # speculative calls' rounds
             ar_fallback_answers=self.ar_answers if self.point.ar_fallback else None,
             ar_fallback_calls=self.calls if self.point.ar_fallback else None,
             warmup_s=warm_s, finish=[self.finish[i] for i in range(n)],

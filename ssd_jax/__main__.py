@@ -73,9 +73,9 @@ def main(argv=None) -> int:
                     help="Saguaro sampling constant in (0, 1] (default: chosen with K when "
                          "sampling, else 1)")
     ap.add_argument("--ar-fallback", action="store_true",
-                    help="with automatic settings (no --k): decode with AR when the speed model "
-                    "predicts it faster than --mode at its best settings (low acceptance), "
-                    "speculating now and then to keep learning acceptance")
+                    help="decode with AR when the speed model predicts it faster than --mode "
+                    "at its settings (the best ones without --k; low acceptance), speculating "
+                    "now and then to keep learning acceptance")
     ap.add_argument("--driver", default="auto", choices=["auto", "single", "processes"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="weights and compute (bfloat16 on GPU/TPU; float32 is faster on CPU)")
@@ -95,9 +95,6 @@ def main(argv=None) -> int:
         distributed.initialize()  # multi-host jobs: join before anything touches a device
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-        if args.ar_fallback and args.k is not None:
-            raise ValueError(f"--ar-fallback follows the automatic settings, and --k {args.k} "
-                             "fixes them: drop --k or --ar-fallback")
         spec_kw = dict(budget=args.budget, fanout=args.fanout, backup=args.backup, c=args.c,
                        ar_fallback=args.ar_fallback)
         spec = SpecConfig(k=args.k, **spec_kw)

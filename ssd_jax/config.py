@@ -158,13 +158,16 @@ class SpecConfig:
     costs it measures once per machine and pair (`ssd_jax.autotune`), and for a sampled SSD run
     Saguaro's C from the pair's distributions (`ssd_jax.saguaro_curve`); explicit values win.
 
-    ar_fallback=True (with k=None): a run whose best settings the speed model predicts slower
-    than plain AR steps (acceptance too low for speculation to pay on this machine) decodes
-    with AR instead, on the devices the asked mode's target uses. After every
-    engine.PROBE_TOKENS tokens so decoded, one run speculates anyway, so that the pair's
-    acceptance keeps being learnt and speculation resumes when the workload turns. Off by
-    default: a call runs the mode it asks for (a benchmark cell, a comparison of modes) and
-    only warns. Settings given (k set) never fall back.
+    ar_fallback=True: a run whose settings (the best ones with k=None, else those given) the
+    speed model predicts slower than plain AR steps (acceptance too low for speculation to pay
+    on this machine) decodes with AR instead, on the devices the asked mode's target uses.
+    Each run decides afresh, with what runs have taught the model so far. After
+    engine.PROBE_TOKENS tokens so decoded (and at least PROBE_RATIO times the mode's last
+    speculative run), one run speculates anyway, so that the pair's acceptance keeps being
+    learnt and speculation resumes when the workload turns. Given settings are held to the
+    model only with the geometric fan-out and a neural or fast backup (the model's); others
+    never fall back. Off by default: a call runs the mode it asks for (a benchmark cell, a
+    comparison of modes) and only warns.
     """
 
     k: int | None = None  # lookahead: draft tokens per round (None: chosen automatically)
@@ -172,7 +175,7 @@ class SpecConfig:
     budget: int = 0  # SSD: branches per row M (0 = 2 * (K + 1), or chosen with K)
     c: float | None = None  # SSD Saguaro constant in (0, 1] (None: chosen with K at T > 0, else 1)
     backup: str | None = None  # SSD: "neural" | "fast" | "auto" (None: chosen with K, or neural)
-    ar_fallback: bool = False  # k=None: decode with AR when the model predicts it faster
+    ar_fallback: bool = False  # decode with AR when the model predicts it faster
 
     def __post_init__(self):
         _require_ints(self, "budget")

@@ -103,9 +103,10 @@ class Engine:
         self._curve = None  # the latest Saguaro curve (saguaro_curve.py), for learn()
         self._curve_key = None  # its key in the tuning store
         self._logged_choice: autotune.Choice | None = None
-        # ar_fallback: AR tokens decoded in place of speculation since the last speculative
-        # run, and that run's tokens
-        self._fallback_tokens, self._probe_tokens = 0, 0
+        # ar_fallback, per asked mode: [AR tokens decoded in place of it since its last
+        # speculative run, that run's tokens]. Per mode: SD and SSD calls interleaved (a
+        # bench, a server with both) would otherwise reset each other's count.
+        self._fallback: dict[str, list[int]] = {}
 
     # ---------------------------------------------------------------- models, loaded on use
     @property
@@ -697,37 +698,59 @@ class Engine:
         self.last_choice = choice
         settings = self._settings(spec, mode, choice, rows,
                                   all(p.temperature == 0 for p in params))
-        if self._falls_back(mode, spec, choice):
+        predicted = self._fallback_prediction(mode, spec, choice, rows, params)
+        count = self._fallback.setdefault(mode, [0, 0])
+        if self._falls_back(mode, predicted, count):
             # AR where the asked mode's target runs (its driver, devices and cost entry);
             # the settings say what was chosen and why it did not run.
-            settings["ar_fallback"] = True
+            settings.update(ar_fallback=True, predicted=predicted)
             ran = "ar"
         else:
             ran = mode
-            if mode != "ar":  # a speculative run: the fallback's count starts again
-                self._fallback_tokens, self._probe_tokens = 0, 0
+            if predicted is not None:  # a speculative run: the fallback's count starts again
+                count[:] = [0, 0]
         chunks = self._run_mode(ids, params, stops, ran, mode, seq_len, spec, settings,
                                 sync_phases)
         try:
             for chunk, metrics in chunks:
-                if ran != mode:
-                    self._fallback_tokens += sum(map(len, chunk))
-                elif mode != "ar":
-                    self._probe_tokens += sum(map(len, chunk))
+                if predicted is not None:
+                    count[0 if ran != mode else 1] += sum(map(len, chunk))
                 yield chunk, metrics
         finally:
             chunks.close()  # a caller that stops reading stops the run (a pod finishes it)
 
-    def _falls_back(self, mode: str, spec: SpecConfig, choice: autotune.Choice | None
-                    ) -> bool:
-        """Whether this run decodes with AR in place of `mode` (SpecConfig.ar_fallback)."""
-        if mode == "ar" or choice is None or not spec.ar_fallback:
+    def _fallback_prediction(self, mode: str, spec: SpecConfig,
+                             choice: autotune.Choice | None, rows: int,
+                             params: list[SamplingParams]) -> dict | None:
+        """The speed model's tok/s per mode ("ar", "sd", "ssd") that an ar_fallback run
+        decides on: the automatic choice's, or the model's at the settings given (step costs
+        measured once if none are stored); None where there is nothing to decide (no
+        ar_fallback, mode AR, settings the model does not cover)."""
+        if mode == "ar" or not spec.ar_fallback:
+            return None
+        if choice is not None:
+            return dict(choice.tok_s)
+        if spec.fanout != "geometric" or spec.backup not in ("neural", "fast"):
+            return None
+        sampling = next((p for p in params if p.temperature > 0), None)
+        costs = self._step_costs(mode, rows, sampled=sampling is not None)
+        if spec.k + 1 not in costs.target:
+            return None
+        a, r = autotune.TuneStore(autotune.store_path(self.cache_dir)).acceptance(self._pair)
+        pred = autotune.predict(costs, spec.k, spec.branches, a=a, r=r, batch=rows,
+                                backup=spec.backup, c=spec.c or 1.0,
+                                saguaro=self._saguaro(mode, sampling))
+        return {x: pred[x] for x in ("ar", "sd", "ssd")}
+
+    def _falls_back(self, mode: str, predicted: dict | None, count: list[int]) -> bool:
+        """Whether this run decodes with AR in place of `mode` (SpecConfig.ar_fallback):
+        `predicted` puts AR faster, and the AR tokens since `mode` last speculated (`count`)
+        are not yet due a probe."""
+        if predicted is None or predicted[mode] >= predicted["ar"]:
             return False
-        if not choice.ar_is_faster(mode):
-            return False
-        if self._fallback_tokens >= max(PROBE_TOKENS, PROBE_RATIO * self._probe_tokens):
+        if count[0] >= max(PROBE_TOKENS, PROBE_RATIO * count[1]):
             log.info("ar_fallback: %d tokens decoded with AR; this run speculates (%s) to "
-                     "refresh the pair's acceptance", self._fallback_tokens, mode.upper())
+                     "refresh the pair's acceptance", count[0], mode.upper())
             return False
         return True
 

@@ -350,7 +350,7 @@ def test_cached_costs_are_per_xla_flags_but_not_per_device_count(monkeypatch):
 def test_ar_fallback_decodes_with_ar_and_probes(tiny_llama, tmp_path, caplog, monkeypatch):
     """SpecConfig(ar_fallback=True): where the model predicts AR faster, runs decode with AR
     (equal to an AR run), say why, and speculate again once enough AR tokens have gone by;
-    settings given never fall back."""
+    settings given fall back where the model predicts them slower than AR."""
     from ssd_jax import SamplingParams
     from ssd_jax import engine as engine_mod
     from ssd_jax.config import SpecConfig
@@ -383,6 +383,18 @@ def test_ar_fallback_decodes_with_ar_and_probes(tiny_llama, tmp_path, caplog, mo
     assert ran == ["ar", "ar", "ar", "sd", "ar"]
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "instead (ar_fallback)" in said and "refresh the pair's acceptance" in said
-    # Settings given are never overridden.
+    # Settings given are held to the model at those settings, and fall back alike; each
+    # mode keeps its own count (an SSD call between SD calls neither resets nor adds to
+    # SD's: with one count, SD would probe a call earlier).
+    store.observe("model|model", 0.05, rounds=autotune.ACCEPT_WINDOW)
     given = SpecConfig(k=2, ar_fallback=True)
-    assert llm.generate(prompt, p, mode="sd", spec=given)[0].metrics.mode == "sd"
+    out = llm.generate(prompt, p, mode="sd", spec=given)[0]  # SD's count: 24 AR after 12
+    assert out.token_ids == ar and out.metrics.mode == "ar"
+    s = out.metrics.settings
+    assert s["ar_fallback"] and not s["automatic"] and s["k"] == 2
+    assert s["predicted"]["ar"] > s["predicted"]["sd"]
+    assert llm.generate(prompt, p, mode="ssd", spec=given)[0].metrics.mode == "ar"
+    ran = [llm.generate(prompt, p, mode="sd", spec=given)[0].metrics.mode for _ in range(3)]
+    assert ran == ["ar", "ar", "sd"]  # 36, 48 >= 4 x 12: the probe
+    # Without ar_fallback the mode asked for runs, whatever the model says.
+    assert llm.generate(prompt, p, mode="sd", spec=SpecConfig(k=2))[0].metrics.mode == "sd"

@@ -108,9 +108,10 @@ def test_automatic_k_with_a_grid_sweep_beside_it(pair, tmp_path, monkeypatch):
 
 
 def test_ar_fallback_cells_decode_with_ar_where_predicted_faster(pair, tmp_path, monkeypatch):
-    """--k auto --ar-fallback: a cell whose automatic choice the model predicts below AR (SD
-    with a draft as large as its target) is left to the engine's fallback: its answers ran
-    AR, it says how many, its prediction is AR's, and its outputs are AR's."""
+    """--k auto --ar-fallback: every automatic cell is pinned to its choice and left to the
+    engine's fallback call by call; where the model predicts that choice below AR (SD with a
+    draft as large as its target) its answers run AR, it says how many, its prediction is
+    AR's, and its outputs are AR's."""
     import ssd_jax.autotune as autotune
     monkeypatch.setattr(autotune, "store_path", lambda cache_dir=None: tmp_path / "tune.json")
     argv = ["--mode", "all", "--target", pair[0], "--draft", pair[1], "--suite", "code",
@@ -123,32 +124,42 @@ def test_ar_fallback_cells_decode_with_ar_where_predicted_faster(pair, tmp_path,
     assert all(c["outputs"] == ar for c in res["cells"])
     sd = next(c for c in res["cells"] if c["mode"] == "sd")
     assert sd["settings"]["predicted"]["ar"] > sd["settings"]["predicted"]["sd"]
-    assert sd["ar_fallback_answers"] == 2 and sd["k"] is None and sd["phases"] is None
+    assert sd["ar_fallback_answers"] == 2 and sd["k"] is not None
+    assert sd["rounds"] == 0 and sd["accept_hist"] is None  # no call speculated
+    assert [c["mode"] for c in sd["ar_fallback_calls"]] == ["ar", "ar"]
     assert sd["predicted_tok_s"] == sd["settings"]["predicted"]["ar"]
-    assert any("decoded 2 of 2 answers with AR" in n for n in res["notes"])
-    for c in res["cells"]:  # a cell that did not fall back is pinned as without the flag
-        assert (c.get("ar_fallback_answers") is None) == (c["mode"] == "ar" or c["k"] is not None)
+    assert any(f"(--ar-fallback, K={sd['k']}): the engine decoded 2 of 2 answers with AR" in n
+               for n in res["notes"])
+    for c in res["cells"]:  # every automatic cell may fall back
+        assert (c.get("ar_fallback_answers") is None) == (c["mode"] == "ar")
 
 
 def test_a_fallback_cell_keeps_each_call_as_it_ran():
-    """A cell left to the engine's fallback mixes AR calls with speculative ones at whatever K
-    each chose (K=3, then K=1 on the real pair): it adds up tokens and seconds, and keeps the
-    calls apart instead of summing their acceptance histograms."""
+    """A cell that may fall back (pinned K) mixes AR calls with speculative ones: it adds up
+    every call's tokens and seconds, the speculative calls' rounds alone (acceptance, phases),
+    and keeps each call as it ran."""
     from types import SimpleNamespace
     from bench import measure
     from ssd_jax.core.metrics import RunMetrics
-    point = measure.Point(k=None, budget=None, fanout=None, c=None, backup=None,
+    point = measure.Point(k=3, budget=None, fanout=None, c=None, backup=None,
                           temperature=0.0, top_p=1.0, batch=1, ar_fallback=True)
     agg = measure.Agg(point, "processes")
-    for i, m in enumerate([RunMetrics("sd", 1, accept_hist=[1, 0, 2, 5], k=3),
-                           RunMetrics("sd", 1, accept_hist=[3, 4], k=1),
-                           RunMetrics("ar", 1, settings=dict(ar_fallback=True))]):
+    calls = [RunMetrics("sd", 1, decode_s=1.0, new_tokens=13, decode_steps=4, verify_s=0.6,
+                        draft_s=0.4, accept_hist=[1, 0, 1, 2], k=3),
+             RunMetrics("sd", 1, decode_s=1.0, new_tokens=9, decode_steps=4, verify_s=0.5,
+                        draft_s=0.5, accept_hist=[2, 1, 0, 1], k=3),
+             RunMetrics("ar", 1, decode_s=2.0, new_tokens=13, decode_steps=12,
+                        settings=dict(ar_fallback=True))]
+    for i, m in enumerate(calls):
         agg.add([i], [SimpleNamespace(metrics=m, token_ids=[1, 2], finish_reason="length")])
     cell = agg.cell("sd", "chat", 0.0)
     assert cell["ar_fallback_answers"] == 1 and cell["num_prompts"] == 3
     assert [(c["mode"], c["k"]) for c in cell["ar_fallback_calls"]] == [
-        ("sd", 3), ("sd", 1), ("ar", 0)]
-    assert cell["accept_hist"] is None and cell["phases"] is None
+        ("sd", 3), ("sd", 3), ("ar", 0)]
+    assert cell["decode_tokens"] == 12 + 8 + 12 and cell["decode_s"] == 4.0
+    assert cell["accept_hist"] == [3, 1, 1, 3] and cell["rounds"] == 8
+    assert cell["phases"]["t_verify"] == pytest.approx(1.1 / 8)
+    assert cell["phases"]["t_draft"] == pytest.approx(0.9 / 8)
 
 
 def test_interleaved_cells_take_turns(monkeypatch):

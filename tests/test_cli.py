@@ -7,7 +7,6 @@ from ssd_jax.__main__ import main
 @pytest.mark.parametrize("argv, needle", [
     (["hi", "--k", "0"], "K=0 is invalid"),
     (["hi", "--c", "1.5"], "Saguaro's C must lie in (0, 1]"),
-    (["hi", "--ar-fallback", "--k", "2"], "drop --k or --ar-fallback"),
     (["", "--mode", "ar"], "prompt is empty"),
     (["hi", "--mode", "ar", "--max-new-tokens", "5000"], "raise --max-seq-len"),
     (["hi", "--model", "/no/such/model", "--mode", "ar"], "not found"),
