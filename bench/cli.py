@@ -281,9 +281,10 @@ def run(args, argv) -> dict:
             p = c["settings"]["predicted"]
             notes.append(f"{c['mode'].upper()} on {c['suite']} (--ar-fallback, K={c['k']}): the "
                          f"engine decoded {c['ar_fallback_answers']} of {c['num_prompts']} "
-                         f"answers with AR, where the speed model predicted AR faster at the "
-                         f"time, the others speculating (when pinned: {c['mode'].upper()} "
-                         f"{p[c['mode']]:.1f} tok/s, AR {p['ar']:.1f}).")
+                         f"answers with AR (in order: {_runs(c['ar_fallback_calls'])}), each "
+                         f"call deciding with what the calls before it had taught the speed "
+                         f"model (at the pin: {c['mode'].upper()} {p[c['mode']]:.1f} tok/s, "
+                         f"AR {p['ar']:.1f}).")
     if args.interleave and len(jobs) > 1:
         notes.append("The cells were timed batch by batch in turn (--interleave): the "
                       "machine's drift during the run fell on every cell alike.")
@@ -384,6 +385,17 @@ def _plan(argv) -> int:
               "from this checkout", file=sys.stderr)
         return 2
     return plan.main(argv)
+
+
+def _runs(calls: list[dict]) -> str:
+    """A fallback cell's calls in order, as runs of one mode: "7 SD, 1 AR"."""
+    runs: list[list] = []
+    for call in calls:
+        if runs and runs[-1][1] == call["mode"]:
+            runs[-1][0] += call["answers"]
+        else:
+            runs.append([call["answers"], call["mode"]])
+    return ", ".join(f"{n} {m.upper()}" for n, m in runs)
 
 
 def main(argv=None) -> int:

@@ -128,7 +128,7 @@ def test_ar_fallback_cells_decode_with_ar_where_predicted_faster(pair, tmp_path,
     assert sd["rounds"] == 0 and sd["accept_hist"] is None  # no call speculated
     assert [c["mode"] for c in sd["ar_fallback_calls"]] == ["ar", "ar"]
     assert sd["predicted_tok_s"] == sd["settings"]["predicted"]["ar"]
-    assert any(f"(--ar-fallback, K={sd['k']}): the engine decoded 2 of 2 answers with AR" in n
+    assert any(f"(--ar-fallback, K={sd['k']}): the engine decoded 2 of 2 answers with AR (in order: 2 AR)" in n
                for n in res["notes"])
     for c in res["cells"]:  # every automatic cell may fall back
         assert (c.get("ar_fallback_answers") is None) == (c["mode"] == "ar")
@@ -160,6 +160,8 @@ def test_a_fallback_cell_keeps_each_call_as_it_ran():
     assert cell["accept_hist"] == [3, 1, 1, 3] and cell["rounds"] == 8
     assert cell["phases"]["t_verify"] == pytest.approx(1.1 / 8)
     assert cell["phases"]["t_draft"] == pytest.approx(0.9 / 8)
+    from bench.cli import _runs
+    assert _runs(cell["ar_fallback_calls"]) == "2 SD, 1 AR"  # the note's order of calls
 
 
 def test_interleaved_cells_take_turns(monkeypatch):
