@@ -281,7 +281,8 @@ class Agg:
         if self.point.ar_fallback:  # each call as it ran: AR, or speculating
             self.calls.append(dict(mode=m.mode, k=m.k, answers=len(rows),
                                    decode_tok_s=m.decode_tok_s, accept_hist=m.accept_hist,
-                                   hit_rate=m.ssd and m.ssd.hit_rate))
+                                   hit_rate=m.ssd and m.ssd.hit_rate,
+                                   predicted=(m.settings or {}).get("predicted")))
             if m.mode == "ar" and (m.settings or {}).get("ar_fallback"):
                 # Its steps are AR's: the cell's rounds, acceptance and phases are those of
                 # the calls that speculated.

@@ -699,11 +699,13 @@ class Engine:
         settings = self._settings(spec, mode, choice, rows,
                                   all(p.temperature == 0 for p in params))
         predicted = self._fallback_prediction(mode, spec, choice, rows, params)
+        if predicted is not None:  # what this call decided on, whichever way it went
+            settings.update(predicted=predicted)
         count = self._fallback.setdefault(mode, [0, 0])
         if self._falls_back(mode, predicted, count):
             # AR where the asked mode's target runs (its driver, devices and cost entry);
             # the settings say what was chosen and why it did not run.
-            settings.update(ar_fallback=True, predicted=predicted)
+            settings.update(ar_fallback=True)
             ran = "ar"
         else:
             ran = mode

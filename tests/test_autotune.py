@@ -372,11 +372,13 @@ def test_ar_fallback_decodes_with_ar_and_probes(tiny_llama, tmp_path, caplog, mo
             out = llm.generate(prompt, p, mode="sd", spec=fallback)[0]
             assert out.token_ids == ar
             ran.append(out.metrics.mode)
+            s = out.metrics.settings
             if out.metrics.mode == "ar":
-                s = out.metrics.settings
                 assert s["ar_fallback"] and s["automatic"]
                 assert s["predicted"]["ar"] > s["predicted"]["sd"]
             else:  # the probe teaches acceptance again: keep it low for the runs after
+                # It still records what it decided on (the probe overrode the model).
+                assert s["predicted"]["ar"] > s["predicted"]["sd"] and not s.get("ar_fallback")
                 store.observe("model|model", 0.05, rounds=autotune.ACCEPT_WINDOW)
     # 12 tokens a run: AR, AR, AR (36 >= 30), then the probe, then AR again (its 12 tokens
     # need max(30, 4 x 12) before the next probe).

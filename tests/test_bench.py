@@ -127,6 +127,7 @@ def test_ar_fallback_cells_decode_with_ar_where_predicted_faster(pair, tmp_path,
     assert sd["ar_fallback_answers"] == 2 and sd["k"] is not None
     assert sd["rounds"] == 0 and sd["accept_hist"] is None  # no call speculated
     assert [c["mode"] for c in sd["ar_fallback_calls"]] == ["ar", "ar"]
+    assert all(c["predicted"]["ar"] > c["predicted"]["sd"] for c in sd["ar_fallback_calls"])
     assert sd["predicted_tok_s"] == sd["settings"]["predicted"]["ar"]
     assert any(f"(--ar-fallback, K={sd['k']}): the engine decoded 2 of 2 answers with AR (in order: 2 AR)" in n
                for n in res["notes"])
