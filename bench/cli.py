@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import platform
@@ -389,13 +390,8 @@ def _plan(argv) -> int:
 
 def _runs(calls: list[dict]) -> str:
     """A fallback cell's calls in order, as runs of one mode: "7 SD, 1 AR"."""
-    runs: list[list] = []
-    for call in calls:
-        if runs and runs[-1][1] == call["mode"]:
-            runs[-1][0] += call["answers"]
-        else:
-            runs.append([call["answers"], call["mode"]])
-    return ", ".join(f"{n} {m.upper()}" for n, m in runs)
+    return ", ".join(f"{sum(c['answers'] for c in run)} {mode.upper()}"
+                     for mode, run in itertools.groupby(calls, key=lambda c: c["mode"]))
 
 
 def main(argv=None) -> int:
