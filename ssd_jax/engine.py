@@ -427,9 +427,11 @@ class Engine:
             store.save_costs(key, costs, note=f"{names[0]} + {names[1]}, batch {rows}, {split}"
                              " (from the greedy entry)")
         if costs is None:
-            log.info("measuring the target's scoring cost and the draft's step cost (batch %d, "
-                     "once per machine and pair) ...", rows)
-            if driver == "processes":
+            log.info("measuring the target's scoring cost%s (batch %d, once per machine and "
+                     "pair) ...", " and the draft's step cost" if self.has_draft else "", rows)
+            if not self.has_draft:  # AR alone (`ssd-bench --mode ar`): its step is all it reads
+                costs = autotune.StepCosts(autotune.time_scoring(self.runner, rows, (1,)), {})
+            elif driver == "processes":
                 costs = self._workers().step_costs(rows)
             elif driver == "pod":
                 costs = self._pod_step_costs(rows)

@@ -334,6 +334,24 @@ def test_sampled_runs_learn_their_own_multiples(tiny_llama, tmp_path):
     assert got["rounds_sd_draft_scale"] == len(m.draft_rounds)
 
 
+def test_ar_prediction_of_a_target_alone(tiny_llama, tmp_path):
+    """An LLM without a draft (`ssd-bench --mode ar`) measures the target's step alone for
+    AR's prediction: there is no draft to time, and AR reads nothing else."""
+    from ssd_jax import LLM, EngineConfig, SamplingParams
+    llm = LLM(tiny_llama[0], cache_dir=tmp_path,
+              engine=EngineConfig(max_batch=1, max_seq_len=128, prefill_bucket=16))
+    got = llm.core.ar_prediction(1, measure=True)
+    entry = TuneStore(tmp_path / "autotune.json")._read()["costs"][
+        llm.core._cost_key("ar", 1)[0]]
+    assert list(entry["target"]) == ["1"] and entry["draft"] == {}
+    assert got == pytest.approx(1 / entry["target"]["1"])
+    # An AR run then teaches the target's decode-time multiple, as with a pair.
+    m = llm.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=80, ignore_eos=True))[0]
+    assert m.metrics.mode == "ar"
+    assert "1" in TuneStore(tmp_path / "autotune.json")._read()["costs"][
+        llm.core._cost_key("ar", 1)[0]]["target_scale"]
+
+
 def test_cached_costs_are_per_xla_flags_but_not_per_device_count(monkeypatch):
     """A vector-width flag changes step costs, so it changes the cache key; the CPU device
     count is part of the split already and must not split the cache."""
