@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -39,6 +40,13 @@ def parser() -> argparse.ArgumentParser:
     a("--slots", type=int, default=8, help="rows the started server decodes at once")
     a("--max-queue", type=int, default=256)
     a("--k", type=int, default=None, help="lookahead for the started servers (default: chosen)")
+    a("--draft-vocab", type=int, default=None, metavar="N",
+      help="the started servers' draft LM head cut to N columns (ssd-serve --draft-vocab)")
+    a("--pin", action="store_true",
+      help="start each server as a two-process pod on this machine, the target on one half of "
+           "the cores and the draft on the other (python -m ssd_jax.launch --pin, --mesh 1,1): "
+           "on a CPU the only way its SSD overlaps drafting with verification; AR and SD then "
+           "run on the target's half alone")
     a("--json", default=None, metavar="PATH")
     return ap
 
@@ -49,13 +57,22 @@ def start_server(args, mode: str) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "ssd_jax.serve", "--model", target, "--draft", draft,
            "--mode", mode, "--port", str(port), "--slots", str(args.slots),
            "--max-queue", str(args.max_queue)] + (["--k", str(args.k)] if args.k else [])
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    if args.draft_vocab:
+        cmd += ["--draft-vocab", str(args.draft_vocab)]
+    if args.pin:
+        cmd = [sys.executable, "-m", "ssd_jax.launch", "--processes", "2",
+               "--devices-per-process", "1", "--pin", "--"] + cmd + ["--mesh", "1,1"]
+    # Its output to a file, read on failure: a pod's processes print through the launcher's
+    # stdout, and a pipe nobody drains would block a chatty server.
+    out = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     import httpx
     url, deadline = f"http://127.0.0.1:{port}", time.time() + 900
     while True:
         if proc.poll() is not None:
+            out.seek(0)
             raise SystemExit(f"ssd-bench serve: the {mode} server exited: "
-                             f"{proc.stderr.read().decode()[-2000:]}")
+                             f"{out.read().decode('utf-8', 'replace')[-2000:]}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return proc, url

@@ -5,7 +5,13 @@ hosts (like `torchrun` for development and tests):
         python -m ssd_jax --model M --draft D --mode ssd --mesh 2,1 "a prompt"
 
 Each process gets SSD_JAX_COORDINATOR / SSD_JAX_NUM_PROCESSES / SSD_JAX_PROCESS_ID (what
-`runtime.distributed.initialize` reads on a real pod) and, on CPU, its own fake devices. Their
+`runtime.distributed.initialize` reads on a real pod) and, on CPU, its own fake devices. With
+--pin each process also gets its own share of this machine's cores: XLA:CPU spreads every
+computation over all the cores a process may use, so unpinned processes fight over them, and a
+draft on its own core is what lets SSD overlap drafting with verification on a CPU:
+
+    python -m ssd_jax.launch --processes 2 --devices-per-process 1 --pin -- \
+        python -m ssd_jax.serve --model M --draft D --mode ssd --mesh 1,1 Their
 output is prefixed with `[i]`. When a process fails, the launcher says which, waits up to
 --grace seconds for the others to end by themselves (a pod's processes notice a dead peer on
 their own, runtime/pod.py), then kills what is left; none outlive the launcher.
@@ -34,6 +40,25 @@ def _status(code: int) -> str:
     return f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
 
 
+def core_shares(usable: list[int], processes: int) -> list[list[int]]:
+    """`usable` cores split into `processes` contiguous shares of equal size (the cores left
+    over go unused: unequal shares would make one process's step slower than its peers')."""
+    if processes > len(usable):
+        raise ValueError(f"--pin: {processes} processes but {len(usable)} usable cores: give "
+                         f"--processes {len(usable)} or fewer, or leave out --pin")
+    n = len(usable) // processes
+    return [usable[i * n:(i + 1) * n] for i in range(processes)]
+
+
+def _start_on(cores: list[int] | None):
+    """A child's set-up before exec: die with the launcher; run on `cores` if given."""
+    def setup() -> None:
+        die_with_parent()
+        if cores is not None:
+            os.sched_setaffinity(0, cores)
+    return setup
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m ssd_jax.launch",
                                  description=__doc__.split("\n\n")[0])
@@ -41,6 +66,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--devices-per-process", type=int, default=None,
                     help="CPU devices per process (XLA's fake host devices); default: JAX's")
     ap.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
+    ap.add_argument("--pin", action="store_true",
+                    help="give each process its own cores (this machine's, split evenly in "
+                         "order; process 0 first)")
     ap.add_argument("--grace", type=float, default=60.0,
                     help="after a failure, seconds the others get to exit by themselves")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
@@ -57,6 +85,20 @@ def main(argv=None) -> int:
         print(f"ssd_jax.launch: error: --processes {args.processes}: give 1 or more",
               file=sys.stderr)
         return 2
+    shares = [None] * args.processes
+    if args.pin:
+        if not hasattr(os, "sched_setaffinity"):
+            print("ssd_jax.launch: error: --pin needs Linux (os.sched_setaffinity): leave out "
+                  "--pin", file=sys.stderr)
+            return 2
+        try:
+            shares = core_shares(sorted(os.sched_getaffinity(0)), args.processes)
+        except ValueError as e:
+            print(f"ssd_jax.launch: error: {e}", file=sys.stderr)
+            return 2
+        print("ssd_jax.launch: cores " + ", ".join(
+            f"process {i}: {','.join(map(str, c))}" for i, c in enumerate(shares)),
+            file=sys.stderr, flush=True)
     port = args.port or free_port()
     procs, pumps = [], []
     for i in range(args.processes):
@@ -68,7 +110,7 @@ def main(argv=None) -> int:
                                                  args.devices_per_process)
             env.setdefault("JAX_PLATFORMS", "cpu")
         p = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+                             stderr=subprocess.STDOUT, preexec_fn=_start_on(shares[i]))
         procs.append(p)
         t = threading.Thread(target=_pump, args=(i, p.stdout, sys.stdout), daemon=True)
         t.start()

@@ -192,3 +192,27 @@ def test_a_dead_process_ends_the_job_with_its_name(pair, tmp_path, victim, group
         assert said and f"process {victim} ({group} group" in said[-1], log[-3000:]
     assert not [p for p, pid in pids.items() if _alive(pid)]
     assert proc.returncode != 0
+
+
+def test_pinned_processes_get_their_own_cores():
+    """--pin: each process of the job runs on its own share of the launcher's cores (the CPU
+    server's SSD overlaps drafting with verification only so), and a job with more processes
+    than cores is refused in one line."""
+    from ssd_jax.launch import core_shares
+    assert core_shares([0, 1], 2) == [[0], [1]]
+    assert core_shares([2, 3, 4, 5, 6], 2) == [[2, 3], [4, 5]]  # equal shares, one left over
+    with pytest.raises(ValueError, match="3 processes but 2 usable cores"):
+        core_shares([0, 1], 3)
+    usable = sorted(os.sched_getaffinity(0))
+    show = "import os; print(sorted(os.sched_getaffinity(0)))"
+    out = subprocess.run([sys.executable, "-m", "ssd_jax.launch", "--processes", "2", "--pin",
+                          "--", sys.executable, "-c", show],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    got = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert got == {f"[{i}]": str(c) for i, c in enumerate(core_shares(usable, 2))}
+    refused = subprocess.run([sys.executable, "-m", "ssd_jax.launch", "--processes",
+                              str(len(usable) + 1), "--pin", "--", "true"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.strip().splitlines()[-1].startswith("ssd_jax.launch: error: --pin: ")

@@ -210,3 +210,21 @@ def test_protocol_refuses_what_it_does_not_support():
         with pytest.raises(APIError) as e:
             parse("chat", body, model_name="m", encode=enc)
         assert e.value.status == 400 and e.value.param == field
+
+
+@pytest.mark.slow  # ~2-3 min: two servers, each a two-process pod that loads and compiles
+def test_bench_load_on_pinned_pods(tmp_path):
+    """`ssd-bench serve --pin`: each mode's server is a two-process pod on this machine, the
+    target on one core and the draft on the other (the CPU server's SSD overlaps only so);
+    every streamed answer equals its prompt's non-streamed one, and the SSD server's answers
+    carry its cache hits."""
+    from bench.serve_load import main
+    out = tmp_path / "load.json"
+    assert main(["--pair", "smollm2", "--modes", "ar,ssd", "--pin", "--clients", "2",
+                 "--requests", "4", "--max-tokens", "12", "--num-prompts", "2", "--slots", "2",
+                 "--k", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"ar", "ssd"}
+    for mode, r in rows.items():
+        assert r["requests"] == 4 and r["mismatched"] == 0 and r["tok_s"] > 0
+    assert rows["ssd"]["k"] == 2 and 0 <= rows["ssd"]["hit_rate"] <= 1
