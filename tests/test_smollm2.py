@@ -92,6 +92,35 @@ def test_sd_and_ssd_equal_ar_on_smollm2_with_shipped_draft(smollm2_pair):
     assert ssd[0].metrics.ssd.hits > 0
 
 
+def test_warmup_compiles_every_program_of_the_run(smollm2):
+    """After `warmup`, the `generate` it prepared compiles nothing, in every mode. SSD's
+    fan-out refit between chunks hands the draft new lists: they must reach the programs
+    placed as the old ones were, or build_cache and select compile again inside the timed run
+    (the bench's single-driver SSD cells ran 15-30x slow). A context length no other test
+    uses keeps programs compiled elsewhere out of the count."""
+    from jax import monitoring
+    from ssd_jax import LLM, EngineConfig, SamplingParams
+    from ssd_jax.config import SpecConfig
+    compiles = []
+
+    def listen(name, secs, **kw):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(name)
+    llm = LLM(smollm2.model, tokenizer=smollm2.tokenizer, draft="smollm2-draft",
+              spec=SpecConfig(k=2), engine=EngineConfig(max_batch=1, max_seq_len=136,
+                                                        driver="single", sync_every=2))
+    p = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for mode in ("ar", "sd", "ssd"):
+            llm.warmup(PROMPTS[0], p, mode=mode)
+            n = len(compiles)
+            llm.generate(PROMPTS[0], p, mode=mode)
+            assert len(compiles) == n, mode
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+
+
 @pytest.mark.slow
 def test_default_pair_in_worker_processes_equals_ar_on_every_suite():
     """`make test-slow`: the embedded default pair the way the CLI runs it on CPU (pinned worker

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -120,7 +121,13 @@ class DraftSide:
         self.stats.fanout, self.stats.a, self.stats.r = (self.fanout.primary().tolist(),
                                                         self.fanout.a, self.fanout.r)
         if self.fanout.strategy != "uniform":
-            ds = ds._replace(fan=self.lists())
+            # Placed as the old lists are (committed to their sharding or not): with one device
+            # `place` leaves host-made arrays uncommitted, and where the old ones were committed
+            # that is a new input signature: build_cache and select compiled again inside the
+            # run a warm-up had prepared (SmolLM2, single driver: 0.8 tok/s timed).
+            ds = ds._replace(fan=jax.tree.map(
+                lambda new, old: jax.device_put(new, old.sharding) if old.committed else new,
+                self.lists(), ds.fan))
         if self.auto_backup:  # re-decide with this run's constants (speed.py)
             rounds = max(sum(self.stats.accept_hist_hit) + sum(self.stats.accept_hist_miss), 1)
             t_p = self.stats.build_s / rounds / t_verify if t_verify else None
