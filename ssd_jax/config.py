@@ -140,8 +140,9 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r} is invalid: give a tuple of "
                              "token ids, e.g. stop_token_ids=(2,)")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} is invalid: use 0 (off) or a positive count")
+        if not 0 <= self.top_k < 2**31:  # an int32 inside the programs
+            raise ValueError(f"top_k={self.top_k} is invalid: use 0 (off) or a positive count "
+                             "below 2**31 (a count past the vocabulary keeps every token)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p} is invalid: it must lie in (0, 1]; 1 turns it off")
         if self.max_new_tokens < 1:

@@ -174,19 +174,62 @@ def test_disconnect_frees_the_row_and_bad_requests_are_400(served):
         r = httpx.post(url + "/v1/completions", content=payload, timeout=30,
                        headers={"content-type": "application/json"})
         assert r.status_code == status and needle in r.json()["error"]["message"], r.text
+    # A top_k past int32 is a 400 on top_k, not a decode loop that dies with its neighbours.
+    r = httpx.post(url + "/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": "x", "max_tokens": 2, "top_k": 2**31})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.text
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+    # A non-streamed client that hangs up frees its row too (nothing is written to it until
+    # the end, so the server asks whether it is still there).
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", timeout=3, json=dict(body, stream=False,
+                                                                  ignore_eos=True))
+    deadline = time.time() + 30
+    while server.scheduler.active or server.scheduler.pending:
+        assert time.time() < deadline, "the non-streamed request kept its row"
+        time.sleep(0.05)
+
+
+def test_requests_without_max_tokens_get_the_context_left(served):
+    """As vLLM's and llama.cpp's servers: no max_tokens means up to the end of the context;
+    a prompt that leaves no room is a 400 on the prompt, in the server's own terms."""
+    server, _, _ = served
+    job = parse("completion", {"model": MODEL, "prompt": PROMPTS[0]}, model_name=MODEL,
+                encode=server.encode)
+    server.check_fits(job)
+    slack = server.spec.k + 1
+    assert job.params.max_new_tokens == 512 - slack - len(job.prompt_ids)
+    long = parse("completion", {"model": MODEL, "prompt": list(range(1, 510))},
+                 model_name=MODEL, encode=server.encode)
+    with pytest.raises(APIError) as e:
+        server.check_fits(long)
+    assert e.value.param == "prompt" and "--max-seq-len" in e.value.message
+    capped = parse("completion", {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 600},
+                   model_name=MODEL, encode=server.encode)
+    with pytest.raises(APIError) as e:
+        server.check_fits(capped)
+    assert e.value.param == "max_tokens" and "max_new_tokens" not in e.value.message
 
 
 def test_full_queue_is_429(served):
     import httpx
     server, url, _ = served
     server.scheduler.max_queue, body = 1, {"model": MODEL, "prompt": PROMPTS[2],
-                                            "max_tokens": 300, "temperature": 0, "stream": True}
+                                            "max_tokens": 300, "temperature": 0, "stream": True,
+                                            "ignore_eos": True}  # no row ends early
     streams = []
+
+    def until(active: int, pending: int) -> None:
+        deadline = time.time() + 60
+        while (len(server.scheduler.active), len(server.scheduler.pending)) != (active, pending):
+            assert time.time() < deadline, (server.scheduler.active, server.scheduler.pending)
+            time.sleep(0.01)
     try:
         with httpx.Client(timeout=60) as http:
-            for _ in range(5):  # 4 slots, then one waiting
+            for i in range(5):  # 4 slots, then one waiting; each in its place before the next
                 streams.append(http.stream("POST", url + "/v1/completions", json=body))
-                streams[-1].__enter__()
+                assert streams[-1].__enter__().status_code == 200
+                until(min(i + 1, 4), max(i - 3, 0))
             r = http.post(url + "/v1/completions", json=dict(body, stream=False))
             assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
     finally:
@@ -210,6 +253,72 @@ def test_protocol_refuses_what_it_does_not_support():
         with pytest.raises(APIError) as e:
             parse("chat", body, model_name="m", encode=enc)
         assert e.value.status == 400 and e.value.param == field
+    # Content parts (what current clients send) are text joined; an assistant's null content
+    # (a tool call's turn) is empty; other parts are named in a 400.
+    seen = []
+    parse("chat", {"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Hello, "},
+                                     {"type": "text", "text": "world"}]},
+        {"role": "assistant", "content": None}]}, model_name="m",
+        encode=lambda p, chat: seen.append(p) or [1])
+    assert seen == [[{"role": "user", "content": "Hello, world"},
+                     {"role": "assistant", "content": ""}]]
+    with pytest.raises(APIError, match="image_url") as e:
+        parse("chat", {"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "x"}}]}]}, model_name="m", encode=enc)
+    assert e.value.param == "messages"
+    for bad, field in [({"top_p": 0}, "top_p"), ({"top_k": 2**40}, "top_k")]:
+        with pytest.raises(APIError) as e:
+            parse("completion", {"model": "m", "prompt": "x", **bad}, model_name="m",
+                  encode=enc)
+        assert e.value.param == field
+
+
+def test_server_process_start_up_and_shutdown(tmp_path):
+    """`ssd-serve` as a user starts it: a taken port or a bad one is one line before any
+    model loads; SIGTERM with a request decoding ends that request with an error event and
+    the process within seconds, not after the request's 2000 tokens."""
+    import httpx
+    import signal
+    import subprocess
+    import sys
+    taken = _bound_socket()
+    port = taken.getsockname()[1]
+    base = [sys.executable, "-m", "ssd_jax.serve", "--model", MODEL, "--mode", "ar",
+            "--slots", "1"]
+    for extra, needle in ((["--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
+                          (["--port", "70000"], "--port 70000 is invalid")):
+        t0 = time.time()
+        r = subprocess.run(base + extra, capture_output=True, text=True, timeout=120)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and needle in lines[-1] and "Traceback" not in r.stderr, r.stderr
+        assert time.time() - t0 < 60  # before the model loads and compiles
+    taken.close()
+    proc = subprocess.Popen(base + ["--port", str(port)], stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None and time.time() < deadline, "the server did not start"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000,
+                "ignore_eos": True, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            t0 = time.time()
+            rest = list(lines)
+        assert any('"server_error"' in line for line in rest), rest[-3:]
+        # uvicorn re-raises the signal once it has shut down: the status says SIGTERM ended it
+        assert proc.wait(30) in (0, -signal.SIGTERM) and time.time() - t0 < 20
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 @pytest.mark.slow  # ~2-3 min: two servers, each a two-process pod that loads and compiles

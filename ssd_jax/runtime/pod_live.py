@@ -34,6 +34,9 @@ class LeadLive:
     def free_slots(self) -> list[int]:
         return self.live.free_slots()
 
+    def request(self, ids: list[int], params: SamplingParams, stops: list[int]):
+        return self.live.request(ids, params, stops)  # host-side checks: nothing to mirror
+
     def join(self, slot: int, ids: list[int], params: SamplingParams, stops: list[int]) -> int:
         self.live.request(ids, params, stops)  # bad input raises here, before the others see it
         self.stream.publish(dict(op="join", slot=slot, ids=list(ids), params=asdict(params),

@@ -38,11 +38,14 @@ def main(argv=None) -> int:
     from ssd_jax.xla_cpu import prefer_wide_vectors
     prefer_wide_vectors()
     quiet_logging()
-    for flag, v in (("--slots", args.slots), ("--max-queue", args.max_queue),
-                    ("--port", args.port + 1)):
+    for flag, v in (("--slots", args.slots), ("--max-queue", args.max_queue)):
         if v < 1:
             print(f"ssd-serve: error: {flag} {v} is invalid: it must be >= 1", file=sys.stderr)
             return 2
+    if not 0 <= args.port <= 65535:
+        print(f"ssd-serve: error: --port {args.port} is invalid: give 1-65535 (0: any free "
+              "port)", file=sys.stderr)
+        return 2
     import uvicorn
     from ssd_jax import LLM, EngineConfig
     from ssd_jax.config import SpecConfig
@@ -50,24 +53,68 @@ def main(argv=None) -> int:
     from ssd_jax.serve.app import build_app
     from ssd_jax.serve.server import Server
     draft = None if args.draft in ("none", "") or args.mode == "ar" else args.draft
+    sock = None
     try:
         distributed.initialize()  # a pod: join the job before anything touches a device
+        import jax
+        if jax.process_index() == 0:  # the lead, unless the pod's split says otherwise
+            # Bound before the models load: a taken port is an error now, not minutes later
+            # after a "listening" line.
+            sock = _bind(args.host, args.port)
         mesh = parse_mesh(args.mesh)
         spec = SpecConfig(k=args.k, budget=args.budget)
         llm = LLM(args.model, draft=draft, dtype=args.dtype, spec=spec, engine=EngineConfig(
             max_batch=args.slots, max_seq_len=args.max_seq_len, driver="single", mesh=mesh,
             draft_vocab=args.draft_vocab))
         if not llm.is_lead:  # a pod process other than the lead: it runs its part of rounds
+            if sock is not None:
+                sock.close()
             llm.follow()
             return 0
         server = Server(llm, mode=args.mode, model_name=args.served_model_name or args.model,
                         slots=args.slots, max_queue=args.max_queue)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
         print(f"ssd-serve: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
-    logging.getLogger("ssd_jax").info("listening on http://%s:%d/v1", args.host, args.port)
-    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
+    try:
+        sock = sock or _bind(args.host, args.port)
+    except OSError as e:
+        print(f"ssd-serve: error: {e}", file=sys.stderr)
+        server.shutdown()
+        return 2
+    host, port = sock.getsockname()[:2]
+    logging.getLogger("ssd_jax").info("listening on http://%s:%d/v1", host, port)
+    # Requests still running when the server is told to stop get an error at once, so their
+    # connections close and the process exits in seconds; the graceful timeout bounds the
+    # rest (a client that never reads).
+    config = uvicorn.Config(build_app(server), log_level="warning",
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    server_stops = server.scheduler.stop
+
+    class Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            server_stops(timeout=0)  # before uvicorn waits for the open connections
+            super().handle_exit(sig, frame)
+    Uvicorn(config).run(sockets=[sock])
     return 0
+
+
+SHUTDOWN_GRACE_S = 5
+
+
+def _bind(host: str, port: int):
+    """A socket bound to host:port for uvicorn; OSError naming the address and the fix."""
+    import socket
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}: stop what holds it or "
+                      "pass another --port / --host") from None
+    return sock
 
 
 if __name__ == "__main__":

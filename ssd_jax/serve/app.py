@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -17,6 +18,9 @@ from starlette.routing import Route
 from ssd_jax.serve import protocol
 from ssd_jax.serve.protocol import APIError
 from ssd_jax.serve.scheduler import Request
+
+
+DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is there
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -57,10 +61,12 @@ def build_app(server) -> Starlette:
             return error
         if req.job.stream:
             return StreamingResponse(stream(req, events), media_type="text/event-stream")
-        text = []
+        text, asked = [], [time.monotonic()]
         try:
             while True:
-                ev = await events.get()
+                ev = await next_event(req, events, http, asked)
+                if ev is None:  # the client went away: its row is freed at the next round
+                    return Response(status_code=499)
                 if ev[0] == "delta":
                     text.append(ev[1])
                     continue
@@ -75,6 +81,21 @@ def build_app(server) -> Starlette:
         return JSONResponse(protocol.envelope(
             job, [protocol.choice(job, "".join(text), reason, delta=False)], chunk=False,
             usage=protocol.usage(len(job.prompt_ids), n_tokens), speculation=spec))
+
+    async def next_event(req: Request, events: asyncio.Queue, http: HTTPRequest, asked: list):
+        """The next event for a non-streamed request, or None once its client has gone (a
+        plain response only learns that by asking, every DISCONNECT_POLL_S: nothing is
+        written until the end, and deltas arrive every round). `asked`: [when it last asked]."""
+        while True:
+            if time.monotonic() - asked[0] >= DISCONNECT_POLL_S:
+                asked[0] = time.monotonic()
+                if await http.is_disconnected():
+                    req.cancel()
+                    return None
+            try:
+                return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                pass
 
     async def stream(req: Request, events: asyncio.Queue):
         job = req.job

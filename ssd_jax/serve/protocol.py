@@ -37,6 +37,9 @@ class Job:
     stop: list[str]
     stream: bool
     include_usage: bool
+    # No max_tokens in the request: the server sets max_new_tokens to the context left after
+    # the prompt (Server.check_fits), as vLLM and llama.cpp's server do.
+    max_tokens_given: bool = True
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -89,9 +92,34 @@ def _stop(body: dict) -> list[str]:
     return stop
 
 
-def parse(kind: str, body, *, model_name: str, encode, max_tokens_default: int = 256) -> Job:
+def text_content(messages):
+    """Chat messages with OpenAI's content parts ([{"type": "text", "text": ...}, ...], what
+    current clients send) joined into text, and an assistant turn's null content (one that
+    called tools) as ""; anything else is left for the chat template's check."""
+    if not isinstance(messages, list):
+        return messages
+    out = []
+    for i, m in enumerate(messages):
+        c = m.get("content") if isinstance(m, dict) else None
+        if isinstance(c, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in c):
+                kinds = sorted({str(p.get("type")) if isinstance(p, dict) else type(p).__name__
+                                for p in c} - {"text"})
+                raise APIError(400, f"messages[{i}].content has parts of type {kinds}: this "
+                                    "server reads text parts only ({'type': 'text', 'text': "
+                                    "...})", "messages")
+            m = dict(m, content="".join(p["text"] for p in c))
+        elif c is None and isinstance(m, dict) and m.get("role") == "assistant":
+            m = dict(m, content="")
+        out.append(m)
+    return out
+
+
+def parse(kind: str, body, *, model_name: str, encode) -> Job:
     """Validate a request body; `encode(prompt_or_messages, chat: bool) -> ids` may raise
-    ValueError (an unusable prompt), reported as a 400 on the prompt field."""
+    ValueError (an unusable prompt), reported as a 400 on the prompt field. Without max_tokens
+    the job's max_new_tokens is a placeholder (Job.max_tokens_given)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     unknown = sorted(set(body) - FIELDS[kind])
@@ -120,13 +148,16 @@ def parse(kind: str, body, *, model_name: str, encode, max_tokens_default: int =
             isinstance(p, (str, list)) for p in prompt):
         raise APIError(400, "'prompt' holds several prompts: send one per request (n=1 "
                             "batching is done by the server)", "prompt")
+    if kind == "chat":
+        prompt = text_content(prompt)
     try:
         ids = encode(prompt, kind == "chat")
     except ValueError as e:
         raise APIError(400, str(e).splitlines()[0], prompt_field)
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
-    max_tokens = _number(body, max_name, int, max_tokens_default, 1)
+    max_tokens = _number(body, max_name, int, None, 1)
+    given = max_tokens is not None
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
         raise APIError(400, "'stream_options' supports only include_usage", "stream_options")
@@ -139,12 +170,14 @@ def parse(kind: str, body, *, model_name: str, encode, max_tokens_default: int =
             temperature=_number(body, "temperature", float, 1.0, 0.0, 2.0),
             top_p=_number(body, "top_p", float, 1.0, 0.0, 1.0),
             top_k=_number(body, "top_k", int, 0, 0),
-            max_new_tokens=max_tokens, seed=None if seed is None else seed % 2**32,
+            max_new_tokens=max_tokens if given else 1, seed=None if seed is None else seed % 2**32,
             ignore_eos=_flag(body, "ignore_eos"))
     except ValueError as e:
-        raise APIError(400, str(e).splitlines()[0])
+        msg = str(e).splitlines()[0]
+        raise APIError(400, msg, next((f for f in ("top_k", "top_p", "temperature")
+                                       if msg.startswith(f + "=")), None))
     return Job(kind, model, ids, params, _stop(body), stream,
-               bool(stream_options.get("include_usage")))
+               bool(stream_options.get("include_usage")), given)
 
 
 # ------------------------------------------------------------------ responses

@@ -61,11 +61,13 @@ class Scheduler:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Cancel whatever is queued or running, end the thread."""
+        """Cancel whatever is queued or running (each gets an error event after the round in
+        flight), end the thread; `timeout=0`: do not wait for it (a signal handler)."""
         with self._cond:
             self._stop = True
             self._cond.notify()
-        self._thread.join(timeout)
+        if timeout and self._thread.is_alive():
+            self._thread.join(timeout)
 
     def submit(self, req: Request) -> None:
         with self._cond:
@@ -112,7 +114,14 @@ class Scheduler:
             if req.cancelled.is_set():
                 continue
             slot = free.pop(0)
-            first = self.live.join(slot, req.job.prompt_ids, req.job.params, sorted(req.stop_ids))
+            try:
+                first = self.live.join(slot, req.job.prompt_ids, req.job.params,
+                                       sorted(req.stop_ids))
+            except ValueError as e:  # refused before it touched the batch (LiveBatch.request)
+                log.warning("request %s refused at join: %s", req.job.id, e)
+                req.push(("error", f"the request was refused: {str(e).splitlines()[0]}"))
+                free.insert(0, slot)
+                continue
             req.slot, req.first_token_s = slot, time.perf_counter()
             self.active[slot] = req
             self.events.append((time.perf_counter(), "join", req.job.id, slot))

@@ -50,16 +50,34 @@ class Server:
         return set(self.llm.prompts.stop_ids(p))
 
     def check_fits(self, job: Job) -> None:
-        """Refuse what cannot fit the context; give an unseeded sampled request its own seed
-        (rows sample independently, as offline)."""
+        """Refuse what cannot fit the context or the batch's rows; give an unseeded sampled
+        request its own seed (rows sample independently, as offline) and one without
+        max_tokens the context left after its prompt. Everything a row's join could refuse is
+        refused here, before the request is queued: an error inside the decode thread would
+        reach the request late, and its neighbours not at all."""
         if job.params.seed is None:
             job.params = replace(job.params, seed=int(self._seeds.integers(2**32)))
-        cfg = self.llm.engine
+        cfg, k = self.llm.engine, self.spec.k or 0
+        limit = min(cfg.max_seq_len, self.llm.config.max_position_embeddings)
+        slack = 0 if self.mode == "ar" else k + 1
+        field = "messages" if job.kind == "chat" else "prompt"
+        if len(job.prompt_ids) + 1 + slack > limit:
+            raise APIError(400, f"the prompt ({len(job.prompt_ids)} tokens) leaves no room for "
+                                f"an answer in the context of {limit} tokens"
+                                f"{f' (K+1={slack} of them speculation slack)' if slack else ''}:"
+                                " shorten it, or start the server with a larger --max-seq-len",
+                           field)
+        if not job.max_tokens_given:
+            job.params = replace(job.params,
+                                 max_new_tokens=limit - slack - len(job.prompt_ids))
         try:
             check_fits([job.prompt_ids], [job.params], self.mode, cfg,
-                       self.llm.config.max_position_embeddings, k=self.spec.k or 0)
+                       self.llm.config.max_position_embeddings, k=k)
+            self.live.request(job.prompt_ids, job.params, sorted(self.stop_ids(job.params)))
         except ValueError as e:
-            raise APIError(400, str(e).splitlines()[0], "max_tokens")
+            msg = str(e).splitlines()[0].replace("max_new_tokens", "max_tokens").replace(
+                "EngineConfig(max_seq_len=...)", "the server's --max-seq-len")
+            raise APIError(400, msg, "max_tokens" if "max_tokens" in msg else field)
 
     def shutdown(self) -> None:
         self.scheduler.stop()
