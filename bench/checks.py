@@ -57,7 +57,10 @@ def validate(args) -> tuple[list[str], list[Point]]:
     for c in [args.c, *args.sweep_c]:
         if c is not None and not 0 < c <= 1:
             raise BenchError(f"C={c} is invalid: Saguaro's C must lie in (0, 1]")
-    base = Point(k=args.k, budget=None if args.k is None else args.budget, fanout=args.fanout, c=args.c,
+    # With K given, the engine runs C=1 unless told: a --sweep-c beside it then compares with
+    # the base's own C, which also keeps a swept C=1 from being timed twice.
+    c = 1.0 if args.c is None and args.k is not None and args.sweep_c else args.c
+    base = Point(k=args.k, budget=None if args.k is None else args.budget, fanout=args.fanout, c=c,
                  backup=args.backup or (None if args.k is None else "neural"),
                  temperature=args.temperature, top_p=args.top_p,
                  batch=args.batch)

@@ -418,6 +418,14 @@ def main(argv=None) -> int:
     except BenchError as e:
         print(f"ssd-bench: error: {e}", file=sys.stderr)
         return 2
+    except ValueError as e:
+        if "max_seq_len" not in str(e):  # not the context check: a bug, with its traceback
+            raise
+        # The engine's context check, in the bench's own flags.
+        msg = str(e).splitlines()[0].replace("EngineConfig(max_seq_len=...)", "--max-seq-len")
+        print(f"ssd-bench: error: {msg.replace('max_new_tokens', '--output-len')}",
+              file=sys.stderr)
+        return 2
     report(results, args)
     return 0
 

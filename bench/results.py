@@ -234,7 +234,14 @@ def main(argv=None) -> int:
         print(f"ssd-bench report: error: {path} does not exist: run ssd-bench with --json or "
               "--out first", file=sys.stderr)
         return 2
-    results = json.loads(path.read_text())
+    try:
+        results = json.loads(path.read_text())
+        if not (isinstance(results, dict) and {"config", "cells"} <= set(results)):
+            raise ValueError("no 'config' and 'cells'")
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        print(f"ssd-bench report: error: {path} is not ssd-bench results ({str(e)[:80]}): "
+              "give the bench.json that ssd-bench --json / --out wrote", file=sys.stderr)
+        return 2
     if args.readme:
         readme = Path(args.readme)
         plot_dir = os.path.relpath(path.parent.resolve(), readme.resolve().parent)

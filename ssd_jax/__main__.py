@@ -49,6 +49,15 @@ def _cli_words(e: Exception) -> str:
             .replace("SpecConfig(k=...)", "--k"))
 
 
+def _lookahead(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a lookahead: give an integer or auto")
+
+
 def main(argv=None) -> int:
     prefer_wide_vectors()
     ap = argparse.ArgumentParser(prog="python -m ssd_jax", description=__doc__.split("\n")[0])
@@ -62,8 +71,9 @@ def main(argv=None) -> int:
                     help="after an SD/SSD answer, decode the prompt with AR on the same target "
                          "core and print both speeds")
     ap.add_argument("--mode", default="ssd", choices=["ar", "sd", "ssd"])
-    ap.add_argument("--k", type=int, default=None,
-                    help="lookahead: draft tokens per round (default: chosen from measured costs)")
+    ap.add_argument("--k", type=_lookahead, default=None,
+                    help="lookahead: draft tokens per round, or auto (the default: chosen from "
+                         "measured costs, as ssd-bench --k auto)")
     ap.add_argument("--budget", type=int, default=0,
                     help="SSD branches per row M (0: chosen with K, or 2(K+1) with --k)")
     ap.add_argument("--fanout", default="geometric", choices=["uniform", "geometric", "empirical"])

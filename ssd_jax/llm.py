@@ -266,6 +266,9 @@ class LLM:
         from call to call, so K may change between calls otherwise. `sampling_params`: a
         sampled call's settings (for them SSD also chooses Saguaro's C)."""
         mode, spec, _ = self._call(mode, spec, None)
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise ValueError(f"rows={rows!r} is invalid: give the number of rows a call would "
+                             "decode, 1 or more")
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise TypeError("sampling_params must be a SamplingParams")
         return self.core.settings(mode, 1 << (rows - 1).bit_length(), spec, sampling_params)

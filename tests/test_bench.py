@@ -366,3 +366,34 @@ def test_decode_throughput_smoke(tiny_llama, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         throughput(["--batch", "1,x"])
     assert e.value.code == 2
+
+
+def test_a_c_sweep_beside_a_given_k_times_each_c_once_and_apart_from_the_base():
+    """--k 2 --sweep-c 0.5,1: the base runs the engine's C=1, so the sweep adds C=0.5 alone,
+    and the summary's base row is the base cell, not the pool of every C."""
+    from bench.checks import validate
+    from bench.cli import parser
+    from bench.results import is_base
+    args = parser().parse_args(["--mode", "ssd", "--temperature", "0.7", "--k", "2",
+                                "--sweep-c", "0.5,1"])
+    _, points = validate(args)
+    assert [p.c for p in points] == [1.0, 0.5]
+    base = dataclasses.asdict(points[0])
+    cell = lambda c: dict(base, mode="ssd", c=c)  # noqa: E731
+    assert is_base(cell(1.0), base) and not is_base(cell(0.5), base)
+
+
+def test_a_context_too_short_and_bad_results_files_are_one_line(pair, tmp_path, capsys):
+    """--max-seq-len below a prompt's needs, and `report` on a file that is not results: one
+    line in the bench's own terms, exit 2 (both were tracebacks)."""
+    assert main(["--mode", "ar", "--target", pair[0], "--suite", "chat", "--num-prompts", "1",
+                 "--output-len", "16", "--max-seq-len", "8", "--driver", "single",
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("ssd-bench: error: prompt (") and "raise --max-seq-len" in err[-1]
+    for text in ("{", "{}"):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        assert main(["report", str(bad)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "is not ssd-bench results" in err

@@ -22,3 +22,11 @@ def test_answers_a_prompt(capsys):
     out, err = capsys.readouterr()
     assert out.startswith("> What is the capital of France?") and "Paris" in out
     assert "[ar] 8 tokens" in err
+
+
+def test_k_takes_auto_as_the_bench_does(capsys):
+    from ssd_jax.__main__ import _lookahead
+    assert _lookahead("auto") is None and _lookahead("3") == 3
+    with pytest.raises(SystemExit) as e:
+        main(["hi", "--k", "four"])
+    assert e.value.code == 2 and "'four' is not a lookahead" in capsys.readouterr().err

@@ -162,6 +162,13 @@ def test_bad_configs():
         LLM("/unused", engine={"max_batch": 2})
 
 
+def test_settings_refuse_a_row_count_below_one(tiny):
+    llm, _ = tiny
+    for rows in (0, -1, 1.5):
+        with pytest.raises(ValueError, match=f"rows={rows!r} is invalid"):
+            llm.settings("ar", rows=rows)
+
+
 def test_unknown_model_path():
     with pytest.raises(FileNotFoundError, match="not found"):
         LLM("/no/such/model")
