@@ -25,6 +25,7 @@ from pathlib import Path
 from bench.checks import BenchError, device_split, engine_config, validate
 from bench.measure import Cells, Point, encode
 from bench.suites import SUITES, load_suite
+from ssd_jax.__main__ import parse_lookahead
 
 MODES = ("ar", "sd", "ssd")
 
@@ -44,15 +45,6 @@ def _list(kind, flag):
     return parse
 
 
-def _k(text: str) -> int | None:
-    if text == "auto":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a lookahead: give an integer or auto")
-
-
 # --pair name -> (target, draft)
 PAIRS = {"smollm2": ("smollm2", "smollm2-draft"),
          "qwen2.5-coder": ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")}
@@ -70,7 +62,7 @@ def parser() -> argparse.ArgumentParser:
       "(Qwen2.5-Coder-1.5B-Instruct + 0.5B-Instruct, from PyPI); --target/--draft override")
     a("--target", default=None, help="name, .gguf file, HF directory or orbax directory")
     a("--draft", default=None, help="draft model (same kinds as --target)")
-    a("--k", type=_k, default=4,
+    a("--k", type=parse_lookahead, default=4,
       help="lookahead K: draft tokens per round, or auto (K, M and the backup chosen by the "
       "engine's speed model from step costs it measures once per machine and pair)")
     a("--fanout", default="geometric", choices=["uniform", "geometric", "empirical"])

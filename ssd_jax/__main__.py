@@ -49,7 +49,8 @@ def _cli_words(e: Exception) -> str:
             .replace("SpecConfig(k=...)", "--k"))
 
 
-def _lookahead(text: str) -> int | None:
+def parse_lookahead(text: str) -> int | None:
+    """--k: an integer, or auto (None: chosen from measured costs)."""
     if text == "auto":
         return None
     try:
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
                     help="after an SD/SSD answer, decode the prompt with AR on the same target "
                          "core and print both speeds")
     ap.add_argument("--mode", default="ssd", choices=["ar", "sd", "ssd"])
-    ap.add_argument("--k", type=_lookahead, default=None,
+    ap.add_argument("--k", type=parse_lookahead, default=None,
                     help="lookahead: draft tokens per round, or auto (the default: chosen from "
                          "measured costs, as ssd-bench --k auto)")
     ap.add_argument("--budget", type=int, default=0,

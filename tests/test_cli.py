@@ -25,8 +25,8 @@ def test_answers_a_prompt(capsys):
 
 
 def test_k_takes_auto_as_the_bench_does(capsys):
-    from ssd_jax.__main__ import _lookahead
-    assert _lookahead("auto") is None and _lookahead("3") == 3
+    from ssd_jax.__main__ import parse_lookahead
+    assert parse_lookahead("auto") is None and parse_lookahead("3") == 3
     with pytest.raises(SystemExit) as e:
         main(["hi", "--k", "four"])
     assert e.value.code == 2 and "'four' is not a lookahead" in capsys.readouterr().err
