@@ -10,11 +10,12 @@ Each process gets SSD_JAX_COORDINATOR / SSD_JAX_NUM_PROCESSES / SSD_JAX_PROCESS_
 computation over all the cores a process may use, so unpinned processes fight over them, and a
 draft on its own core is what lets SSD overlap drafting with verification on a CPU:
 
-    python -m ssd_jax.launch --processes 2 --devices-per-process 1 --pin -- \
-        python -m ssd_jax.serve --model M --draft D --mode ssd --mesh 1,1 Their
-output is prefixed with `[i]`. When a process fails, the launcher says which, waits up to
---grace seconds for the others to end by themselves (a pod's processes notice a dead peer on
-their own, runtime/pod.py), then kills what is left; none outlive the launcher.
+    python -m ssd_jax.launch --processes 2 --devices-per-process 1 --pin -- \\
+        python -m ssd_jax.serve --model M --draft D --mode ssd --mesh 1,1
+
+The processes' output is prefixed with `[i]`. When a process fails, the launcher says which,
+waits up to --grace seconds for the others to end by themselves (a pod's processes notice a
+dead peer on their own, runtime/pod.py), then kills what is left; none outlive the launcher.
 """
 from __future__ import annotations
 
