@@ -190,14 +190,19 @@ class Engine:
     # ---------------------------------------------------------------- pods
     def _join_pod(self) -> None:
         import atexit
-        from ssd_jax.runtime.pod import Control, Watchdog
+        from ssd_jax.runtime.pod import Control, Watchdog, meet
         from ssd_jax.core.transport import GroupExchange
         self._control = Control(self.pod)
         self._watchdog = Watchdog(self.pod)
         self._watchdog.start()
         atexit.register(self.close)
+        meet(self.pod, "engine")  # every process, before the groups' first collective
         if self.pod.role != "idle":
             self._exchange = GroupExchange(self.split.target, self.split.draft)
+            try:
+                self._exchange.open()
+            except Exception as e:
+                self._pod_failed(e)
         log.info("pod of %d processes:\n%s", self.pod.n_processes, self.pod.describe())
 
     def follow(self) -> None:

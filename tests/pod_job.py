@@ -42,6 +42,9 @@ def main() -> int:
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--long", action="store_true",
                     help="keep generating (for the kill tests): SSD runs until killed")
+    ap.add_argument("--slow-target-load", type=float, default=0.0, metavar="S",
+                    help="the target group's processes take S seconds longer to load the "
+                         "target (as a big target beside a small draft does); greedy SSD only")
     args = ap.parse_args()
     import faulthandler
     import signal
@@ -55,6 +58,16 @@ def main() -> int:
     from ssd_jax.config import SpecConfig
     jax.config.update("jax_transfer_guard_device_to_device", "disallow")
     mesh = tuple(int(x) for x in args.mesh.split(","))
+    if args.slow_target_load:
+        import time
+        from ssd_jax import engine
+        real_load = engine.load
+
+        def slow_load(path, **kw):
+            if path == args.target:
+                time.sleep(args.slow_target_load)
+            return real_load(path, **kw)
+        engine.load = slow_load
     llm = LLM(args.target, draft=args.draft, spec=SpecConfig(k=3, budget=8),
               engine=EngineConfig(max_batch=4, max_seq_len=256, prefill_bucket=16, mesh=mesh),
               cache_dir=args.cache_dir, progress=False)
@@ -69,6 +82,12 @@ def main() -> int:
             while True:
                 llm.generate(PROMPTS, p, mode="ssd", chat=False)
                 print("round of requests done", flush=True)
+        if args.slow_target_load:  # the draft group is in its first round long before
+            out["ssd"] = [o.token_ids for o in llm.generate(PROMPTS, greedy, mode="ssd",
+                                                            chat=False)]
+            with open(args.out, "w") as f:
+                json.dump(out, f)
+            return 0
         for mode in ("ssd", "sd", "ar"):
             out[mode] = [o.token_ids for o in llm.generate(PROMPTS, greedy, mode=mode,
                                                            chat=False)]

@@ -152,6 +152,22 @@ def test_four_processes_two_devices_target_tp4_draft_tp2(pair, oracle, tmp_path)
     _check(got, oracle)
 
 
+@pytest.mark.slow  # 1.5 min, most of it the 40 s wait
+def test_a_target_that_loads_long_after_the_draft(pair, oracle, tmp_path):
+    """The target group loads its model 40 s after the draft group has loaded its own and
+    started the first round. The groups' link is opened at start-up, when both are there:
+    opened in the first round, gloo gave up on the late group after 30 s (the pinned server
+    on the real pair died so)."""
+    out = tmp_path / "out.json"
+    proc = _launch(2, 1, *pair, str(out), "--mesh", "1,1", "--slow-target-load", "40")
+    try:
+        log, _ = proc.communicate(timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the pod job did not end in {JOB_TIMEOUT_S} s:\n{_stacks_and_kill(proc)}")
+    assert proc.returncode == 0, log[-4000:]
+    assert json.loads(out.read_text())["ssd"] == oracle["ar"]
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

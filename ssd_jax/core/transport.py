@@ -130,6 +130,15 @@ class GroupExchange:
         from ssd_jax.sharding import put
         return put(tree, self.home)
 
+    def open(self) -> None:
+        """Make the link's first exchange now, while every process of both groups is at the
+        same point (Engine start-up, after pod.meet). On CPU that first collective sets up
+        gloo's context, which gives up after 30 s if a peer has not arrived; later exchanges
+        wait as long as it takes. Opened lazily instead, the first round's exchange failed
+        whenever one group was still loading its model 30 s after the other had finished (a
+        1.5B target beside a 0.5B draft, each on one core)."""
+        self.swap(jnp.zeros((1,), jnp.int32), TARGET)
+
     def swap(self, x: jax.Array, sender: int) -> jax.Array:
         """The sending group passes the message (replicated over its mesh), the other group
         zeros of its shape; every process gets the message replicated over its group's mesh."""

@@ -177,6 +177,27 @@ class Watchdog(threading.Thread):
         self.stopped.set()
 
 
+_meetings = 0  # every process makes the same meet() calls in the same order
+
+
+def meet(pod: Pod, what: str, timeout_s: float | None = None) -> None:
+    """Wait until every process of the job has reached this point (a barrier on JAX's
+    coordination service). Sized for start-up: a host can take minutes longer than another to
+    get here (a slower disk, a bigger model to read), where a first collective would give up
+    after 30 s (gloo's context set-up on CPU). A dead process ends the wait through the
+    watchdog; a live one that never comes is named after `timeout_s`."""
+    global _meetings
+    timeout_s = timeout_s or float(os.environ.get("SSD_JAX_START_TIMEOUT_S", "900"))
+    _meetings += 1
+    try:
+        _client().wait_at_barrier(f"{KEY}/meet/{_meetings}/{what}", int(timeout_s * 1000))
+    except Exception as e:  # noqa: BLE001 - the service's error, restated
+        text = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise PodError(f"{pod.name(pod.process)}: not every process of the job reached "
+                       f"'{what}' within {timeout_s:.0f} s ({text}); if a host is just slow to "
+                       f"start, raise SSD_JAX_START_TIMEOUT_S") from e
+
+
 def _try_get(client, key: str) -> str | None:
     try:
         return client.key_value_try_get(key)
