@@ -469,9 +469,11 @@ class Engine:
                         "then to keep learning acceptance" if spec.ar_fallback else
                         "mode='ar' (--mode ar) would be faster for this workload, or "
                         "SpecConfig(ar_fallback=True) (--ar-fallback) to switch on its own")
-                log.warning("the speed model predicts %s at %.1f tok/s, below AR's %.1f, with "
+                ours, ar = choice.tok_s[mode], choice.tok_s["ar"]
+                digits = next((d for d in (1, 2, 3) if f"{ours:.{d}f}" != f"{ar:.{d}f}"), 4)
+                log.warning("the speed model predicts %s at %.*f tok/s, below AR's %.*f, with "
                             "this pair's recent acceptance (a=%.2f): %s", mode.upper(),
-                            choice.tok_s[mode], choice.tok_s["ar"], choice.a, what)
+                            digits, ours, digits, ar, choice.a, what)
             self._logged_choice = choice
         return replace(spec, k=choice.k, budget=choice.budget,
                        backup=spec.backup or choice.backup,

@@ -43,6 +43,13 @@ def short(x, n: int = 60) -> str:
     return r if len(r) <= n else r[:n - 3] + "..."
 
 
+def context_room(engine: EngineConfig, max_positions: int, mode: str, k: int) -> tuple[int, int]:
+    """(limit, slack): the positions a row may use (the engine's cache or the model's
+    positions, whichever is fewer), and how many of them SD/SSD keep free past the answer for
+    the K+1 tokens a round may write beyond it."""
+    return min(engine.max_seq_len, max_positions), 0 if mode == "ar" else k + 1
+
+
 def check_fits(ids: list[list[int]], params: list[SamplingParams], mode: str,
                engine: EngineConfig, max_positions: int, k: int = 0) -> int:
     """The positions the batch needs (longest prompt + max_new_tokens); raises when the batch
@@ -52,8 +59,8 @@ def check_fits(ids: list[list[int]], params: list[SamplingParams], mode: str,
                          f"{engine.max_batch}: split the batch or raise "
                          "EngineConfig(max_batch=...)")
     need = max(len(t) + p.max_new_tokens for t, p in zip(ids, params))
-    limit = min(engine.max_seq_len, max_positions)
-    if mode != "ar" and need + k + 1 > limit >= need:
+    limit, slack = context_room(engine, max_positions, mode, k)
+    if need + slack > limit >= need:
         raise ValueError(f"K={k} needs K+1={k + 1} slots of cache slack "
                          f"past the {need} positions of prompt + max_new_tokens, beyond the "
                          f"context of {limit}: lower K or max_new_tokens, or raise "

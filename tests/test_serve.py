@@ -163,7 +163,7 @@ def test_disconnect_frees_the_row_and_bad_requests_are_400(served):
     assert r.choices[0].message.content == text
     for payload, status, needle in [
             (b"{not json", 400, "not valid JSON"),
-            (json.dumps({"model": "gpt-4", "prompt": "x"}).encode(), 400, "does not exist"),
+            (json.dumps({"model": "gpt-4", "prompt": "x"}).encode(), 404, "does not exist"),
             (json.dumps({"model": MODEL, "prompt": "x", "n": 2}).encode(), 400, "'n'=2"),
             (json.dumps({"model": MODEL, "prompt": "x", "temperature": -1}).encode(), 400,
              "'temperature'=-1"),
@@ -179,6 +179,8 @@ def test_disconnect_frees_the_row_and_bad_requests_are_400(served):
         "model": MODEL, "prompt": "x", "max_tokens": 2, "top_k": 2**31})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.text
     assert httpx.get(url + "/health").json()["status"] == "ok"
+    r = httpx.get(url + "/v1/completions", timeout=30)  # OpenAI's JSON error, not plain text
+    assert r.status_code == 405 and "use POST" in r.json()["error"]["message"], r.text
     # A non-streamed client that hangs up frees its row too (nothing is written to it until
     # the end, so the server asks whether it is still there).
     with pytest.raises(httpx.ReadTimeout):
@@ -272,6 +274,49 @@ def test_protocol_refuses_what_it_does_not_support():
             parse("completion", {"model": "m", "prompt": "x", **bad}, model_name="m",
                   encode=enc)
         assert e.value.param == field
+
+
+def test_stop_answers_requests_before_the_round_in_flight_ends():
+    """A stop (SIGTERM's handler) gives every open request its error at once, not when the
+    round in flight ends: uvicorn cuts the connections it still waits on after its graceful
+    timeout, and a round can take seconds. Each request gets one last event."""
+    import numpy as np
+    from ssd_jax.config import SamplingParams
+    from ssd_jax.serve.protocol import Job
+    from ssd_jax.serve.scheduler import Request, Scheduler
+    in_round, release = threading.Event(), threading.Event()
+
+    class SlowBatch:  # one slot; its round blocks until released
+        def free_slots(self):
+            return [0]
+
+        def join(self, slot, ids, params, stops):
+            return 7
+
+        def step(self):
+            in_round.set()
+            release.wait(30)
+            return np.array([[7, -1]]), np.array([False]), None
+
+        def leave(self, slot):
+            pass
+
+    sched = Scheduler(SlowBatch(), lambda ids: "x" * len(ids), "ar", 0, max_queue=4)
+    sched.start()
+    got = {name: [] for name in ("running", "queued")}
+    for name in got:
+        job = Job("completion", "m", [1, 2], SamplingParams(max_new_tokens=100), [], False,
+                  False)
+        sched.submit(Request(job, got[name].append, set()))
+    assert in_round.wait(30)
+    sched.stop(timeout=0)
+    for events in got.values():
+        assert [e[0] for e in events if e[0] != "delta"] == ["error"], events
+    release.set()
+    sched._thread.join(30)
+    assert not sched.alive()
+    for events in got.values():  # the decode thread's own end adds nothing
+        assert [e[0] for e in events if e[0] != "delta"] == ["error"], events
 
 
 def test_server_process_start_up_and_shutdown(tmp_path):

@@ -149,6 +149,13 @@ def build_app(server) -> Starlette:
         return _error(APIError(404, f"no route {http.method} {http.url.path}: see /v1/models, "
                                     "/v1/completions, /v1/chat/completions, /health, /metrics"))
 
+    async def wrong_method(http: HTTPRequest, exc):
+        allowed = (getattr(exc, "headers", None) or {}).get("Allow", "")
+        e = APIError(405, f"{http.url.path} does not take {http.method}"
+                          f"{f': use {allowed}' if allowed else ''}")
+        return JSONResponse(e.body(), status_code=405,
+                            headers={"Allow": allowed} if allowed else None)
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         yield
@@ -160,4 +167,4 @@ def build_app(server) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-    ], exception_handlers={404: not_found}, lifespan=lifespan)
+    ], exception_handlers={404: not_found, 405: wrong_method}, lifespan=lifespan)

@@ -135,7 +135,7 @@ def parse(kind: str, body, *, model_name: str, encode) -> Job:
     if model is None:
         raise APIError(400, "'model' is required", "model")
     if model != model_name:
-        raise APIError(400, f"model '{model}' does not exist: this server serves "
+        raise APIError(404, f"model '{model}' does not exist: this server serves "
                             f"'{model_name}' (GET /v1/models)", "model", code="model_not_found")
     prompt_field = "prompt" if kind == "completion" else "messages"
     prompt = body.get(prompt_field)

@@ -20,7 +20,7 @@ from ssd_jax.serve.protocol import APIError, Job
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a request is kept in a set until its last event
 class Request:
     """One request's life in the scheduler. `push(event)` delivers events to the HTTP side:
     ("delta", text), then ("done", finish_reason, usage, speculation) or ("error", message)."""
@@ -39,6 +39,7 @@ class Request:
     hits: int = 0
     first_token_s: float | None = None
     done_s: float | None = None
+    quiet: bool = False  # the server's own warm-up: not counted in /metrics
 
     def cancel(self) -> None:
         """The client went away: the slot is freed at the next round boundary."""
@@ -51,6 +52,7 @@ class Scheduler:
         self.max_queue, self.metrics = max_queue, metrics
         self.pending: collections.deque[Request] = collections.deque()
         self.active: dict[int, Request] = {}
+        self.open: set[Request] = set()  # submitted, not yet given their last event
         self.events: list[tuple[float, str, str, int]] = []  # (time, join/leave, job id, slot)
         self._cond = threading.Condition()
         self._stop = False
@@ -66,8 +68,17 @@ class Scheduler:
         with self._cond:
             self._stop = True
             self._cond.notify()
+            # Their error goes out now, not after the round in flight: a round can take
+            # seconds (a long prompt's prefill, a big model), and uvicorn cuts the connections
+            # it is still waiting on after its graceful timeout.
+            for req in list(self.open):
+                self._end(req, ("error", "the server is shutting down: this request was "
+                                         "stopped before it finished"))
         if timeout and self._thread.is_alive():
             self._thread.join(timeout)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def submit(self, req: Request) -> None:
         with self._cond:
@@ -78,6 +89,7 @@ class Scheduler:
                 raise APIError(429, f"the queue is full ({self.max_queue} requests wait for a "
                                     "slot): retry later", kind="rate_limit_error")
             self.pending.append(req)
+            self.open.add(req)
             self._gauge()
             self._cond.notify()
 
@@ -98,8 +110,8 @@ class Scheduler:
             log.exception("the decode loop failed")
             self.error = e
         for req in [*self.active.values(), *self.pending]:
-            req.push(("error", "the server stopped before this request finished"
-                      if self.error is None else f"decode failed: {self.error}"))
+            self._end(req, ("error", "the server stopped before this request finished"
+                            if self.error is None else f"decode failed: {self.error}"))
         self.active.clear()
         self.pending.clear()
 
@@ -112,6 +124,7 @@ class Scheduler:
                 req = self.pending.popleft()
                 self._gauge()
             if req.cancelled.is_set():
+                self._end(req, None)
                 continue
             slot = free.pop(0)
             try:
@@ -119,13 +132,14 @@ class Scheduler:
                                        sorted(req.stop_ids))
             except ValueError as e:  # refused before it touched the batch (LiveBatch.request)
                 log.warning("request %s refused at join: %s", req.job.id, e)
-                req.push(("error", f"the request was refused: {str(e).splitlines()[0]}"))
+                self._end(req, ("error",
+                                f"the request was refused: {str(e).splitlines()[0]}"))
                 free.insert(0, slot)
                 continue
             req.slot, req.first_token_s = slot, time.perf_counter()
             self.active[slot] = req
             self.events.append((time.perf_counter(), "join", req.job.id, slot))
-            if self.metrics:
+            if self.metrics and not req.quiet:
                 self.metrics.ttft.observe(req.first_token_s - req.arrived)
             self._take(req, [first])
         self._gauge()
@@ -144,7 +158,7 @@ class Scheduler:
             req.rounds += 1
             req.accepted += len(toks) - 1
             req.hits += int(hit is not None and hit[slot])
-            if self.metrics and self.mode != "ar":
+            if self.metrics and self.mode != "ar" and not req.quiet:
                 self.metrics.accepted.observe(len(toks) - 1)
             self._take(req, toks)
             if req.finish is None and done[slot]:  # cannot happen: done rows end in _take
@@ -171,7 +185,7 @@ class Scheduler:
             hold = max((len(s) - 1 for s in req.job.stop), default=0)
             text = text[:-1] if text.endswith("\ufffd") else text
             text = text[:max(len(req.sent), len(text) - hold)]
-        if len(text) > len(req.sent):
+        if len(text) > len(req.sent) and req in self.open:
             req.push(("delta", text[len(req.sent):]))
             req.sent = text
         if reason:
@@ -183,11 +197,21 @@ class Scheduler:
             self.live.leave(req.slot)
             del self.active[req.slot]
             self.events.append((time.perf_counter(), "leave", req.job.id, req.slot))
-        if self.metrics:
+        if self.metrics and not req.quiet:
             self.metrics.finished(req, self.mode)
-        if reason != "cancelled":
-            req.push(("done", reason, len(req.tokens), self.speculation(req)))
+        self._end(req, None if reason == "cancelled" else
+                  ("done", reason, len(req.tokens), self.speculation(req)))
         self._gauge()
+
+    def _end(self, req: Request, event: tuple | None) -> None:
+        """Give `req` its last event (None: nobody listens any more), once: the decode thread
+        and a stop() from the signal handler may both try."""
+        with self._cond:
+            if req not in self.open:
+                return
+            self.open.discard(req)
+        if event is not None:
+            req.push(event)
 
     def speculation(self, req: Request) -> dict:
         rounds = max(req.rounds, 1)

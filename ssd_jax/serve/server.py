@@ -2,26 +2,28 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import replace
 
 import numpy as np
 
 from ssd_jax.config import SamplingParams, SpecConfig
-from ssd_jax.prompts import check_fits
+from ssd_jax.prompts import check_fits, context_room
 from ssd_jax.serve.metrics import ServerMetrics
 from ssd_jax.serve.protocol import APIError, Job
-from ssd_jax.serve.scheduler import Scheduler
+from ssd_jax.serve.scheduler import Request, Scheduler
 
 log = logging.getLogger(__name__)
 
 
 class Server:
     """`llm`: an ssd_jax.LLM (run in this process: EngineConfig(driver="single")); `slots`:
-    rows decoding at once; `max_queue`: requests that may wait for a slot (more: 429)."""
+    rows decoding at once; `max_queue`: requests that may wait for a slot (more: 429);
+    `warm_up`: serve one short request of its own before returning (see warm_up)."""
 
     def __init__(self, llm, *, mode: str, model_name: str, slots: int = 8, max_queue: int = 64,
-                 spec: SpecConfig | None = None):
+                 spec: SpecConfig | None = None, warm_up: bool = True):
         self.llm, self.mode, self.model_name, self.slots = llm, mode, model_name, slots
         self.created = int(time.time())
         mode = llm.core.resolve_mode(mode)
@@ -35,6 +37,37 @@ class Server:
         self.scheduler.start()
         log.info("serving %s (%s, %d slots%s)", model_name, mode.upper(), slots,
                  "" if mode == "ar" else f", K={self.spec.k}")
+        if warm_up:
+            self.warm_up()
+
+    def warm_up(self) -> float:
+        """Decode one short greedy request (a few rounds, not in /metrics) and return its
+        seconds: XLA compiles the round then, so the first client does not wait for it and a
+        server that answers /health serves at full speed. A failed round raises here."""
+        log.info("warming up: one short request compiles the round")
+        t0 = time.perf_counter()
+        last: list = []
+        done = threading.Event()
+
+        def push(event) -> None:
+            if event[0] != "delta":
+                last.append(event)
+                done.set()
+        k = self.spec.k or 0
+        job = Job("completion", self.model_name, self.llm.prompts.encode("Hello", chat=False),
+                  SamplingParams(max_new_tokens=2 * (k + 1) + 1, ignore_eos=True), [],
+                  stream=False, include_usage=False)
+        self.check_fits(job)
+        self.scheduler.submit(Request(job, push, set(), quiet=True))
+        while not done.wait(1.0):
+            if not self.scheduler.alive():
+                break
+        if not last or last[0][0] != "done":
+            raise RuntimeError(f"the server's warm-up request failed: "
+                               f"{last[0][1] if last else 'the decode thread ended'}")
+        seconds = time.perf_counter() - t0
+        log.info("warmed up in %.1f s", seconds)
+        return seconds
 
     def _text(self, ids: list[int]) -> str:
         return self.llm.prompts.text(ids)
@@ -58,8 +91,7 @@ class Server:
         if job.params.seed is None:
             job.params = replace(job.params, seed=int(self._seeds.integers(2**32)))
         cfg, k = self.llm.engine, self.spec.k or 0
-        limit = min(cfg.max_seq_len, self.llm.config.max_position_embeddings)
-        slack = 0 if self.mode == "ar" else k + 1
+        limit, slack = context_room(cfg, self.llm.config.max_position_embeddings, self.mode, k)
         field = "messages" if job.kind == "chat" else "prompt"
         if len(job.prompt_ids) + 1 + slack > limit:
             raise APIError(400, f"the prompt ({len(job.prompt_ids)} tokens) leaves no room for "
