@@ -108,6 +108,7 @@ class LiveBatch:
         self.state = RoundState(ts, ds, spec_t)
         self.slots = slots
         self._records: list = []  # SSD: draft-side outcomes since the fan-out's last refit
+        self._joining: tuple | None = None  # SSD: (slot, first speculation) not handed over
 
     def _batch(self, ids, params) -> Batch:
         return _live(make_batch(ids, params, [[]] * len(ids), self.bucket))
@@ -120,34 +121,48 @@ class LiveBatch:
     def join(self, slot: int, ids: list[int], params: SamplingParams, stops: list[int]
              ) -> int | None:
         """Prefill one request into `slot`; returns its first token (None on a draft-only
-        process)."""
+        process).
+
+        SSD: the draft's prefill and the row's first speculation run on the draft's devices
+        after the first token is known, and the speculation is handed to the target at this
+        object's next call, not here: the first token streams while the draft works (on a
+        pod the draft is another process), and the next join's target prefill overlaps it."""
         b = self.request(ids, params, stops)
-        s = self.state
-        ts, ds, spec_t, ts1, one_draft = s.target, s.draft, s.spec, None, None
+        ts1 = None
         if self.target is not None:
             runner = self.target.runner
             one = TargetSide(runner, b.place(self.on_target), runner.new_cache(1, self.seq_len))
             ts1 = one.prefill()
             self.target.batch = replace(self.target.batch, req=put_row(
                 self.target.batch.req, one.batch.req, slot))
-            ts = _put_state(s.target, ts1, slot)
+            self.state.target = _put_state(self.state.target, ts1, slot)
         if self.mode == "ssd":
-            d = self.draft
+            self._hand_over()  # the previous join's, first: both sides call in one order
+            d, one_draft = self.draft, None
             if d is not None:
                 one_draft = replace(d, batch=b.place(self.on_draft),
                                     cache=d.runner.new_cache(1, self.seq_len))
-            ds1, spec1 = _start(one_draft, ts1, self.join_link)
+            ds1, spec1 = _draft_start(one_draft, ts1, self.join_link)
             if d is not None:
                 d.batch = replace(d.batch, req=put_row(d.batch.req, one_draft.batch.req, slot))
-                ds = _put_state(s.draft, ds1, slot)
-            if spec1 is not None:
-                spec_t = put_row(s.spec, spec1, slot)
+                self.state.draft = _put_state(self.state.draft, ds1, slot)
+            self._joining = (slot, spec1)
         elif self.mode == "sd":
             d = self.draft_runner
             one_cache = d.fill(self.vocab.draft_ids(b.tokens), d.new_cache(1, self.seq_len))
             self.draft_cache = put_cache(self.draft_cache, one_cache, slot)
-        self.state = RoundState(ts, ds, spec_t)
         return None if ts1 is None else int(np.asarray(ts1.rows.last)[0])
+
+    def _hand_over(self) -> None:
+        """The last joined row's first speculation, from the draft side to the target's copy
+        (a cross-process receive on a pod's target, a send on its draft)."""
+        if self._joining is None:
+            return
+        slot, spec1 = self._joining
+        self._joining = None
+        spec1 = self.join_link.speculation(spec1)
+        if spec1 is not None:
+            self.state.spec = put_row(self.state.spec, spec1, slot)
 
     def request(self, ids: list[int], params: SamplingParams, stops: list[int]) -> Batch:
         """One request as a joining row; raises ValueError for what it cannot hold."""
@@ -155,6 +170,7 @@ class LiveBatch:
 
     def leave(self, slot: int) -> None:
         """Free `slot` (finished, cancelled or disconnected): the row is frozen on every side."""
+        self._hand_over()
         s = self.state
         ts = None if s.target is None else s.target._replace(
             rows=_mark_done(s.target.rows, slot))
@@ -167,6 +183,7 @@ class LiveBatch:
         tokens [B, K+1] (-1 padded; rows that were free emit nothing), the done flags and, in
         SSD, whether each row's verified speculation was a cache hit. A draft-only process
         returns None."""
+        self._hand_over()
         s, hit = self.state, None
         if self.mode == "ssd":
             s, t_rec, d_rec = ssd_round(self.target, self.draft, self.link, s)
@@ -201,6 +218,11 @@ def _start(draft: DraftSide | None, ts, link) -> tuple:
     """The draft side's prefill and first speculation from the target's first tokens, across
     `link` (a pod process passes None for the side it does not hold, as ssd_loop does).
     Returns (the draft's state, the target's copy of the speculation), None where absent."""
-    first = link.outcome(None if ts is None else Outcome(ts.rows.last * 0 - 1, ts.rows.last))
-    ds, spec = draft.start(first.t) if draft is not None else (None, None)
+    ds, spec = _draft_start(draft, ts, link)
     return ds, link.speculation(spec)
+
+
+def _draft_start(draft: DraftSide | None, ts, link) -> tuple:
+    """_start without the hand-over: (the draft's state, its speculation), None where absent."""
+    first = link.outcome(None if ts is None else Outcome(ts.rows.last * 0 - 1, ts.rows.last))
+    return draft.start(first.t) if draft is not None else (None, None)
