@@ -319,6 +319,27 @@ def test_stop_answers_requests_before_the_round_in_flight_ends():
         assert [e[0] for e in events if e[0] != "delta"] == ["error"], events
 
 
+def test_ctrl_c_while_the_server_loads_is_one_line():
+    """Ctrl-C before the server listens (loading, compiling, warming up) ends it with one
+    line and status 130, not a traceback."""
+    import signal
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "ssd_jax.serve", "--model", MODEL,
+                             "--mode", "ar", "--slots", "1", "--port", "0"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(8)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "ssd-serve: interrupted"
+
+
 def test_server_process_start_up_and_shutdown(tmp_path):
     """`ssd-serve` as a user starts it: a taken port or a bad one is one line before any
     model loads; SIGTERM with a request decoding ends that request with an error event and

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -33,6 +34,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C while loading, or uvicorn re-raising it after its stop
+        print("ssd-serve: interrupted", file=sys.stderr, flush=True)
+        # Not through the interpreter's shutdown: with XLA's threads cut off mid-compile it
+        # can crash (SIGSEGV) after this line.
+        os._exit(130)
+
+
+def _main(argv) -> int:
     args = parser().parse_args(argv)
     from ssd_jax.__main__ import parse_mesh, quiet_logging
     from ssd_jax.xla_cpu import prefer_wide_vectors
@@ -95,7 +106,7 @@ def main(argv=None) -> int:
         def handle_exit(self, sig, frame) -> None:
             server_stops(timeout=0)  # before uvicorn waits for the open connections
             super().handle_exit(sig, frame)
-    Uvicorn(config).run(sockets=[sock])
+    Uvicorn(config).run(sockets=[sock])  # the app's lifespan closes the engine
     return 0
 
 

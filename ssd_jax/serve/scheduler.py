@@ -63,8 +63,8 @@ class Scheduler:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Cancel whatever is queued or running (each gets an error event after the round in
-        flight), end the thread; `timeout=0`: do not wait for it (a signal handler)."""
+        """Cancel whatever is queued or running (each gets its error event now), end the
+        thread after the round in flight; `timeout=0`: do not wait for it (a signal handler)."""
         with self._cond:
             self._stop = True
             self._cond.notify()
