@@ -36,7 +36,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     try:
         return _main(argv)
-    except KeyboardInterrupt:  # Ctrl-C while loading, or uvicorn re-raising it after its stop
+    except KeyboardInterrupt:  # Ctrl-C before it listens: loading, compiling, warming up
         print("ssd-serve: interrupted", file=sys.stderr, flush=True)
         # Not through the interpreter's shutdown: with XLA's threads cut off mid-compile it
         # can crash (SIGSEGV) after this line.
