@@ -71,7 +71,7 @@ def _decode_step(runner, context: int, prefix: int):
     held = {"cache": runner.new_cache(1, context)}  # donated and replaced by every commit
 
     def step():
-        new_state, held["cache"] = runner.decode(state, held["cache"], batch.req)
+        new_state, held["cache"], _ = runner.decode(state, held["cache"], batch.req)
         jax.block_until_ready((new_state, held["cache"]))
     return step
 

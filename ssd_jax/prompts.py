@@ -148,3 +148,11 @@ class Prompts:
 
     def text(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
+
+    def piece(self, token_id: int) -> tuple[str, bytes]:
+        """One token as logprobs show it: its text (bytes that do not decode alone as
+        U+FFFD) and its bytes; `token_id:N` without a tokenizer, as vLLM writes it."""
+        if self.tokenizer is None:
+            return f"token_id:{token_id}", b""
+        raw = self.tokenizer.token_bytes(token_id)
+        return raw.decode("utf-8", errors="replace"), raw

@@ -24,14 +24,14 @@ def drive(live, requests, slots):
             if not pending or slot in active:
                 continue
             i, (ids, params) = pending.popleft()
-            out[i] = [live.join(slot, ids, params, [])]
+            out[i] = [live.join(slot, ids, params, [])[0]]
             active[slot] = i
             if params.max_new_tokens == 1:
                 live.leave(slot)
                 del active[slot]
         if not active:
             continue
-        toks, done, _ = live.step()
+        toks, done, _, _ = live.step()
         for slot, i in list(active.items()):
             want = requests[i][1].max_new_tokens
             out[i] += [int(t) for t in toks[slot] if t >= 0][:want - len(out[i])]

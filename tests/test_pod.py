@@ -71,7 +71,7 @@ def _served_oracle(ar: LLM, ssd: LLM) -> dict:
     ids = ssd.prompts.encode(prompt, chat=False)
     live, _ = ssd.core.live("ssd", SERVE_SLOTS, ssd.spec)
     params = SamplingParams(max_new_tokens=n, temperature=1.0, seed=seed, ignore_eos=True)
-    tokens = [live.join(0, ids, params, [])]
+    tokens = [live.join(0, ids, params, [])[0]]
     while len(tokens) < n:
         tokens += [int(t) for t in live.step()[0][0] if t >= 0]
     return dict(greedy=greedy, sampled=ssd.prompts.text(tokens[:n]))

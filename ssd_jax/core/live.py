@@ -24,6 +24,7 @@ import numpy as np
 from ssd_jax.config import SamplingParams
 from ssd_jax.core.batch import Batch, make_batch
 from ssd_jax.core.draft import DraftConfig
+from ssd_jax.core.logprobs import HostLogprobs, TokenLogprobs
 from ssd_jax.core.rounds import DraftSide, RoundState, TargetSide, ssd_round
 from ssd_jax.core.speculation import Outcome, sd_speculation
 from ssd_jax.core.transport import LocalLink
@@ -95,7 +96,7 @@ class LiveBatch:
         if side in (None, "target"):
             self.target = TargetSide(target_runner, idle.place(self.on_target),
                                      target_runner.new_cache(slots, seq_len))
-            ts = self.target.prefill()
+            ts, _ = self.target.prefill()
         if mode == "ssd":
             if side in (None, "draft"):
                 self.draft = DraftSide.create(draft_runner, vocab, idle.place(self.on_draft),
@@ -118,21 +119,22 @@ class LiveBatch:
         """The target side's free slots (the side that owns requests)."""
         return [int(i) for i in np.flatnonzero(np.asarray(self.state.target.rows.done))]
 
-    def join(self, slot: int, ids: list[int], params: SamplingParams, stops: list[int]
-             ) -> int | None:
-        """Prefill one request into `slot`; returns its first token (None on a draft-only
-        process).
+    def join(self, slot: int, ids: list[int], params: SamplingParams, stops: list[int],
+             logprobs: int | None = None) -> tuple[int, HostLogprobs | None] | None:
+        """Prefill one request into `slot`; returns its first token and, given `logprobs` (a
+        top-N width), its log-probabilities (row 0 of a batch of one); None on a draft-only
+        process.
 
         SSD: the draft's prefill and the row's first speculation run on the draft's devices
         after the first token is known, and the speculation is handed to the target at this
         object's next call, not here: the first token streams while the draft works (on a
         pod the draft is another process), and the next join's target prefill overlaps it."""
         b = self.request(ids, params, stops)
-        ts1 = None
+        ts1 = lp = None
         if self.target is not None:
             runner = self.target.runner
             one = TargetSide(runner, b.place(self.on_target), runner.new_cache(1, self.seq_len))
-            ts1 = one.prefill()
+            ts1, lp = one.prefill(logprobs)
             self.target.batch = replace(self.target.batch, req=put_row(
                 self.target.batch.req, one.batch.req, slot))
             self.state.target = _put_state(self.state.target, ts1, slot)
@@ -151,7 +153,7 @@ class LiveBatch:
             d = self.draft_runner
             one_cache = d.fill(self.vocab.draft_ids(b.tokens), d.new_cache(1, self.seq_len))
             self.draft_cache = put_cache(self.draft_cache, one_cache, slot)
-        return None if ts1 is None else int(np.asarray(ts1.rows.last)[0])
+        return None if ts1 is None else (int(np.asarray(ts1.rows.last)[0]), _host(lp))
 
     def _hand_over(self) -> None:
         """The last joined row's first speculation, from the draft side to the target's copy
@@ -178,15 +180,17 @@ class LiveBatch:
         self.state = RoundState(ts, ds, s.spec)
 
     # ---------------------------------------------------------------- rounds
-    def step(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+    def step(self, logprobs: int | None = None
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, HostLogprobs | None] | None:
         """One round (an AR step, an SD or an SSD round) over every slot. Returns the emitted
-        tokens [B, K+1] (-1 padded; rows that were free emit nothing), the done flags and, in
-        SSD, whether each row's verified speculation was a cache hit. A draft-only process
-        returns None."""
+        tokens [B, K+1] (-1 padded; rows that were free emit nothing), the done flags, in
+        SSD whether each row's verified speculation was a cache hit, and given `logprobs` (a
+        top-N width; None costs nothing) the emitted tokens' log-probabilities. A draft-only
+        process returns None."""
         self._hand_over()
         s, hit = self.state, None
         if self.mode == "ssd":
-            s, t_rec, d_rec = ssd_round(self.target, self.draft, self.link, s)
+            s, t_rec, d_rec = ssd_round(self.target, self.draft, self.link, s, logprobs=logprobs)
             if self.draft is not None:
                 # The fan-out (and an automatic backup) learn from the outcomes, as offline:
                 # refit every OBSERVE_EVERY rounds, not every round (new lists are a
@@ -198,20 +202,24 @@ class LiveBatch:
             self.state = s
             if t_rec is None:
                 return None
-            out, hit = t_rec[0], np.asarray(t_rec[3])
+            out, hit, lp = t_rec[0], np.asarray(t_rec[3]), t_rec[4]
         elif self.mode == "sd":
             spec, self.draft_cache = sd_speculation(self.draft_runner, self.sd_cfg,
                                                     s.target.rows, self.draft_cache,
                                                     self.target.batch.req)
-            ts, _, out = self.target.verify(s.target, spec)
+            ts, _, out, lp = self.target.verify(s.target, spec, logprobs)
             self.state = RoundState(ts, None, None)
         else:
             before = s.target.rows
-            rows, cache = self.target.runner.decode(before, s.target.cache,
-                                                    self.target.batch.req)
+            rows, cache, lp = self.target.runner.decode(before, s.target.cache,
+                                                        self.target.batch.req, logprobs)
             out = jnp.where(before.done, -1, rows.last)[:, None]
             self.state = RoundState(s.target._replace(rows=rows, cache=cache), None, None)
-        return np.asarray(out), np.asarray(self.state.target.rows.done), hit
+        return np.asarray(out), np.asarray(self.state.target.rows.done), hit, _host(lp)
+
+
+def _host(lp: TokenLogprobs | None) -> HostLogprobs | None:
+    return None if lp is None else HostLogprobs(*(np.asarray(a) for a in lp))
 
 
 def _start(draft: DraftSide | None, ts, link) -> tuple:

@@ -26,6 +26,7 @@ from ssd_jax.core.backups import BACKUPS
 from ssd_jax.core.batch import Batch
 from ssd_jax.core.draft import DraftConfig, DraftState, FanLists, build, select, start
 from ssd_jax.core.fanout import FanoutModel
+from ssd_jax.core.logprobs import TokenLogprobs
 from ssd_jax.core.metrics import RunMetrics, SSDStats
 from ssd_jax.core.runner import ModelRunner
 from ssd_jax.core.speculation import Outcome, Speculation, sd_speculation
@@ -54,13 +55,16 @@ class TargetSide:
     batch: Batch
     cache: KVCache
 
-    def prefill(self) -> TargetState:
+    def prefill(self, logprobs: int | None = None) -> tuple[TargetState, TokenLogprobs | None]:
+        """The batch's prompts in; given `logprobs` (a top-N width), also the first tokens'
+        log-probabilities (core/logprobs.py)."""
         b = self.batch
-        rows, cache = self.runner.prefill(b.tokens, b.prompt_len, self.cache, b.req)
-        return TargetState(rows, cache)
+        rows, cache, lp = self.runner.prefill(b.tokens, b.prompt_len, self.cache, b.req, logprobs)
+        return TargetState(rows, cache), lp
 
-    def verify(self, state: TargetState, spec: Speculation):
-        return target_step(self.runner, state, spec, self.batch.req, self.batch.greedy_only)
+    def verify(self, state: TargetState, spec: Speculation, logprobs: int | None = None):
+        return target_step(self.runner, state, spec, self.batch.req, self.batch.greedy_only,
+                           logprobs)
 
 
 @dataclass
@@ -147,15 +151,17 @@ class RoundState:
 
 
 def ssd_round(target: TargetSide | None, draft: DraftSide | None, link, s: RoundState,
-              phases: dict | None = None) -> tuple[RoundState, tuple | None, tuple | None]:
+              phases: dict | None = None, logprobs: int | None = None
+              ) -> tuple[RoundState, tuple | None, tuple | None]:
     """One SSD round (module docstring). Returns the new state and what each present side
-    records: target (emitted tokens, n, done before, hit), draft (n, rank, done before, hit).
-    `phases`: when given, block at each phase boundary and add its seconds there."""
+    records: target (emitted tokens, n, done before, hit, their log-probabilities or None),
+    draft (n, rank, done before, hit). `phases`: when given, block at each phase boundary and
+    add its seconds there. `logprobs`: the target's top-N width, None for none."""
     t0 = time.perf_counter()
     outcome = t_rec = d_rec = None
     if target is not None:
-        ts, outcome, out = target.verify(s.target, s.spec)
-        t_rec = (out, outcome.n, s.target.rows.done, s.spec.hit)
+        ts, outcome, out, lp = target.verify(s.target, s.spec, logprobs)
+        t_rec = (out, outcome.n, s.target.rows.done, s.spec.hit, lp)
         if phases is not None:
             outcome.n.block_until_ready()
     t1 = time.perf_counter()
@@ -200,7 +206,7 @@ def ssd_loop(target: TargetSide | None, draft: DraftSide | None, link, metrics: 
     stats = metrics.ssd = SSDStats(k=metrics.k)
     n_real = (target or draft).batch.n
     t0 = time.perf_counter()
-    ts = target.prefill() if target is not None else None
+    ts = target.prefill()[0] if target is not None else None
     outcome = link.outcome(None if ts is None else Outcome(ts.rows.last * 0 - 1, ts.rows.last))
     ds, spec = draft.start(outcome.t) if draft is not None else (None, None)
     s = RoundState(ts, ds, link.speculation(spec))
@@ -231,7 +237,7 @@ def ssd_loop(target: TargetSide | None, draft: DraftSide | None, link, metrics: 
             s.draft = draft.observe(d_recs, s.draft, t_verify)
             stats.take_draft_side(draft.stats)
         if target is not None:
-            for _, n, done, hit in t_recs:
+            for _, n, done, hit, _ in t_recs:
                 stats.record(n, hit, done, n_real)
             metrics.accept_hist = [h + m for h, m in zip(stats.accept_hist_hit,
                                                            stats.accept_hist_miss)]
@@ -248,7 +254,7 @@ def sd_loop(target: TargetSide, draft: ModelRunner, vocab, draft_cache: KVCache,
     cfg = DraftConfig(draft.graphdef, vocab, metrics.k, budget=0, greedy_only=b.greedy_only)
     k = cfg.k
     t0 = time.perf_counter()
-    state = target.prefill()
+    state, _ = target.prefill()
     draft_cache = draft.fill(vocab.draft_ids(b.tokens), draft_cache)
     first = np.asarray(state.rows.last)
     metrics.ttft_s = time.perf_counter() - t0
@@ -264,7 +270,7 @@ def sd_loop(target: TargetSide, draft: ModelRunner, vocab, draft_cache: KVCache,
                 spec.tokens.block_until_ready()
             tv = time.perf_counter()
             was_done = state.rows.done
-            state, outcome, out = target.verify(state, spec)
+            state, outcome, out, _ = target.verify(state, spec)
             if timed:
                 outcome.n.block_until_ready()
                 t_end = time.perf_counter()
@@ -288,7 +294,7 @@ def ar_loop(target: TargetSide, metrics: RunMetrics, sync_every: int) -> Iterato
     caller cuts off; the host reads a chunk of steps at a time, never waiting inside one."""
     b = target.batch
     t0 = time.perf_counter()
-    state = target.prefill()
+    state, _ = target.prefill()
     rows, cache = state.rows, state.cache
     first = np.asarray(rows.last)  # TTFT includes the first token's transfer to the host
     metrics.ttft_s = time.perf_counter() - t0
@@ -298,7 +304,7 @@ def ar_loop(target: TargetSide, metrics: RunMetrics, sync_every: int) -> Iterato
     while done_steps < steps and not _all_done(rows, b.n):
         chunk, t_chunk = [], time.perf_counter()
         for _ in range(min(sync_every, steps - done_steps)):
-            rows, cache = target.runner.decode(rows, cache, b.req)
+            rows, cache, _ = target.runner.decode(rows, cache, b.req)
             chunk.append(rows.last)
         done_steps += len(chunk)
         metrics.decode_steps += len(chunk)

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from ssd_jax.config import ModelConfig
+from ssd_jax.core.logprobs import TokenLogprobs, token_logprobs
 from ssd_jax.core.rows import SAMPLE_STREAM, Requests, RowState, advance, row_keys, start_rows
 from ssd_jax.draft_vocab import DraftModel
 from ssd_jax.models.attention import causal_mask
@@ -56,10 +57,12 @@ def fill_kv(graphdef, params, tokens: Int[Array, "B T"], cache: KVCache):
                                     logit_index=jnp.zeros((B, 1), jnp.int32))
 
 
-@partial(jax.jit, static_argnames=("graphdef",))
+@partial(jax.jit, static_argnames=("graphdef", "logprobs"))
 def prefill(graphdef, params, tokens: Int[Array, "B T"], prompt_len: Int[Array, " B"],
-            cache: KVCache, req: Requests) -> tuple[RowState, KVCache]:
-    """Right-padded prompts -> the first sampled token and the prompt K/V (not yet committed).
+            cache: KVCache, req: Requests, logprobs: int | None = None
+            ) -> tuple[RowState, KVCache, TokenLogprobs | None]:
+    """Right-padded prompts -> the first sampled token, the prompt K/V (not yet committed) and,
+    given `logprobs` (a top-N width), the first token's log-probabilities (logprobs.py).
 
     Padding needs no extra mask: under the causal mask a real token at t < len only sees
     keys <= t, and the pad slots' K/V are overwritten by later commits."""
@@ -72,20 +75,24 @@ def prefill(graphdef, params, tokens: Int[Array, "B T"], prompt_len: Int[Array, 
         tokens, positions, cache, no_prefix, causal_mask(B, T),
         logit_index=(prompt_len - 1)[:, None])
     first = _sample(logits[:, 0], req, prompt_len)
-    return start_rows(tokens, prompt_len, first, req), new_kv
+    lp = None if logprobs is None else token_logprobs(logits, first[:, None], logprobs)
+    return start_rows(tokens, prompt_len, first, req), new_kv, lp
 
 
-@partial(jax.jit, static_argnames=("graphdef",))
-def decode_step(graphdef, params, rows: RowState, cache: KVCache, req: Requests
-                ) -> tuple[RowState, KVCache]:
+@partial(jax.jit, static_argnames=("graphdef", "logprobs"))
+def decode_step(graphdef, params, rows: RowState, cache: KVCache, req: Requests,
+                logprobs: int | None = None
+                ) -> tuple[RowState, KVCache, TokenLogprobs | None]:
     """Feed each row's last token, sample the next. Returns the new K/V to commit at
-    `rows.lengths`. A finished row keeps its length, so it never runs past its cache slack."""
+    `rows.lengths` (and the next token's log-probabilities, given `logprobs`). A finished row
+    keeps its length, so it never runs past its cache slack."""
     B = rows.last.shape[0]
     logits, new_kv = _merge(graphdef, params)(rows.last[:, None], rows.lengths[:, None], cache,
                                               rows.lengths, jnp.ones((B, 1, 1), bool))
     nxt = _sample(logits[:, 0], req, rows.lengths + 1)
     new, _ = advance(rows, jnp.zeros((B, 0), jnp.int32), jnp.zeros_like(nxt), nxt, req)
-    return new, new_kv
+    lp = None if logprobs is None else token_logprobs(logits, nxt[:, None], logprobs)
+    return new, new_kv, lp
 
 
 class ModelRunner:
@@ -104,13 +111,16 @@ class ModelRunner:
         from ssd_jax.sharding import new_cache
         return new_cache(self.config, batch, seq_len, self.mesh)
 
-    def prefill(self, tokens, prompt_len, cache, req: Requests) -> tuple[RowState, KVCache]:
-        rows, new_kv = prefill(self.graphdef, self.params, tokens, prompt_len, cache, req)
-        return rows, commit(cache, new_kv, prompt_len * 0)  # on prompt_len's devices
+    def prefill(self, tokens, prompt_len, cache, req: Requests, logprobs: int | None = None
+                ) -> tuple[RowState, KVCache, TokenLogprobs | None]:
+        rows, new_kv, lp = prefill(self.graphdef, self.params, tokens, prompt_len, cache, req,
+                                   logprobs)
+        return rows, commit(cache, new_kv, prompt_len * 0), lp  # on prompt_len's devices
 
-    def decode(self, rows: RowState, cache: KVCache, req: Requests) -> tuple[RowState, KVCache]:
-        new, new_kv = decode_step(self.graphdef, self.params, rows, cache, req)
-        return new, commit(cache, new_kv, rows.lengths)
+    def decode(self, rows: RowState, cache: KVCache, req: Requests, logprobs: int | None = None
+               ) -> tuple[RowState, KVCache, TokenLogprobs | None]:
+        new, new_kv, lp = decode_step(self.graphdef, self.params, rows, cache, req, logprobs)
+        return new, commit(cache, new_kv, rows.lengths), lp
 
     def fill(self, tokens: Int[Array, "B T"], cache: KVCache) -> KVCache:
         """Write a prompt's K/V into the cache (a draft's prefill: its logits are not needed)."""

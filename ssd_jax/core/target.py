@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Int
 
+from ssd_jax.core.logprobs import TokenLogprobs, token_logprobs
 from ssd_jax.core.rows import VERIFY_STREAM, Requests, RowState, advance, row_keys
 from ssd_jax.core.speculation import Outcome, Speculation
 from ssd_jax.core.verify import verify, verify_greedy
@@ -29,11 +30,14 @@ class TargetState(NamedTuple):
     cache: KVCache
 
 
-@partial(jax.jit, static_argnames=("graphdef", "greedy_only"))
+@partial(jax.jit, static_argnames=("graphdef", "greedy_only", "logprobs"))
 def verify_step(graphdef, params, state: TargetState, spec: Speculation, req: Requests,
-                greedy_only: bool) -> tuple[RowState, Outcome, Int[Array, "B K1"], KVCache]:
+                greedy_only: bool, logprobs: int | None = None
+                ) -> tuple[RowState, Outcome, Int[Array, "B K1"], KVCache, TokenLogprobs | None]:
     """The target forward over [r, s] and exact verification: the advanced rows, the outcome,
-    the emitted tokens [B, K+1] (-1 padded) and the K+1 new K/V (committed by the caller)."""
+    the emitted tokens [B, K+1] (-1 padded), the K+1 new K/V (committed by the caller) and,
+    given `logprobs` (a top-N width), the emitted tokens' log-probabilities: position i of the
+    round emitted out[:, i] from logits[:, i], the prediction after r, s_1..s_i."""
     rows = state.rows
     B, K = spec.tokens.shape
     tokens = jnp.concatenate([rows.last[:, None], spec.tokens], axis=1)
@@ -48,13 +52,15 @@ def verify_step(graphdef, params, state: TargetState, spec: Speculation, req: Re
         n, t = verify(p, spec.tokens, spec.q, spec.point_mass, s.temperature == 0,
                       row_keys(s, VERIFY_STREAM, rows.lengths))
     new_rows, out = advance(rows, spec.tokens, n, t, req)
-    return new_rows, Outcome(n, t), out, kv
+    lp = None if logprobs is None else token_logprobs(logits, out, logprobs)
+    return new_rows, Outcome(n, t), out, kv, lp
 
 
-def target_step(target, state: TargetState, spec: Speculation, req: Requests, greedy_only: bool
-                ) -> tuple[TargetState, Outcome, Int[Array, "B K1"]]:
+def target_step(target, state: TargetState, spec: Speculation, req: Requests, greedy_only: bool,
+                logprobs: int | None = None
+                ) -> tuple[TargetState, Outcome, Int[Array, "B K1"], TokenLogprobs | None]:
     """One verification by `target` (a ModelRunner): the new state, the outcome, the emitted
-    tokens."""
-    rows, outcome, out, kv = verify_step(target.graphdef, target.params, state, spec, req,
-                                         greedy_only)
-    return TargetState(rows, commit(state.cache, kv, state.rows.lengths)), outcome, out
+    tokens and, given `logprobs`, their log-probabilities."""
+    rows, outcome, out, kv, lp = verify_step(target.graphdef, target.params, state, spec, req,
+                                             greedy_only, logprobs)
+    return TargetState(rows, commit(state.cache, kv, state.rows.lengths)), outcome, out, lp

@@ -46,6 +46,18 @@ class Tokenizer:
     def decode(self, ids, *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes (a byte-level BPE token may hold part of a UTF-8 character,
+        which decoding it alone would turn into U+FFFD)."""
+        piece = self.backend.id_to_token(int(token_id))
+        if piece is None:
+            return b""
+        if (isinstance(self.backend.decoder, decoders.ByteLevel)
+                and int(token_id) not in self.backend.get_added_tokens_decoder()
+                and all(c in _BYTE_OF_CHAR for c in piece)):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
             raise ValueError("this model ships no chat template: pass raw text with chat=False")
@@ -70,6 +82,19 @@ class Tokenizer:
                    chat_template=meta["chat_template"],
                    eos_token_ids=tuple(meta["eos_token_ids"]), bos_token_id=meta["bos_token_id"],
                    add_bos=meta["add_bos"], special=meta.get("special", {}))
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's alphabet: each byte as the printable character that stands for it in
+    token strings (bytes that print as themselves keep their character; the rest take code
+    points from 256 up, in byte order). Inverted: character -> byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    shifted = [b for b in range(256) if b not in set(keep)]
+    chars = {b: chr(b) for b in keep} | {b: chr(256 + i) for i, b in enumerate(shifted)}
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_OF_CHAR = _byte_level_chars()
 
 
 def _raise(message):

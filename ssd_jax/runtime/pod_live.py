@@ -37,19 +37,22 @@ class LeadLive:
     def request(self, ids: list[int], params: SamplingParams, stops: list[int]):
         return self.live.request(ids, params, stops)  # host-side checks: nothing to mirror
 
-    def join(self, slot: int, ids: list[int], params: SamplingParams, stops: list[int]) -> int:
+    def join(self, slot: int, ids: list[int], params: SamplingParams, stops: list[int],
+             logprobs: int | None = None):
         self.live.request(ids, params, stops)  # bad input raises here, before the others see it
         self.stream.publish(dict(op="join", slot=slot, ids=list(ids), params=asdict(params),
-                                 stops=list(stops)))
-        return self._run(self.live.join, slot, ids, params, stops)
+                                 stops=list(stops), logprobs=logprobs))
+        return self._run(self.live.join, slot, ids, params, stops, logprobs)
 
     def leave(self, slot: int) -> None:
         self.stream.publish(dict(op="leave", slot=slot))
         self._run(self.live.leave, slot)
 
-    def step(self):
-        self.stream.publish(dict(op="step"))
-        return self._run(self.live.step)
+    def step(self, logprobs: int | None = None):
+        # The width is published: it picks the target's program, which every process of a
+        # multi-process target group must run alike.
+        self.stream.publish(dict(op="step", logprobs=logprobs))
+        return self._run(self.live.step, logprobs)
 
     def close(self) -> None:
         """End the followers' mirror loops (they go back to waiting for the lead's requests)."""
@@ -73,10 +76,11 @@ def mirror(live, stream: Stream) -> None:
         if op == "end":
             return
         if op == "join":
-            live.join(msg["slot"], msg["ids"], SamplingParams(**msg["params"]), msg["stops"])
+            live.join(msg["slot"], msg["ids"], SamplingParams(**msg["params"]), msg["stops"],
+                      msg.get("logprobs"))
         elif op == "leave":
             live.leave(msg["slot"])
         elif op == "step":
-            live.step()
+            live.step(msg.get("logprobs"))
         else:
             raise ValueError(f"unknown live-batch call {op!r} from the lead")

@@ -22,6 +22,8 @@ def parser() -> argparse.ArgumentParser:
     a("--port", type=int, default=8000)
     a("--slots", type=int, default=4, help="requests decoding at once (the batch's rows)")
     a("--max-queue", type=int, default=64, help="requests that may wait for a slot (more: 429)")
+    a("--max-logprobs", type=int, default=20,
+      help="the most top_logprobs a request may ask for (-1: refuse logprobs)")
     a("--max-seq-len", type=int, default=2048, help="prompt + max_tokens + K + 1, at most")
     a("--k", type=int, default=None, help="lookahead (default: chosen by the speed model)")
     a("--budget", type=int, default=0, help="SSD branches per row (0: chosen or 2(K+1))")
@@ -53,6 +55,10 @@ def _main(argv) -> int:
         if v < 1:
             print(f"ssd-serve: error: {flag} {v} is invalid: it must be >= 1", file=sys.stderr)
             return 2
+    if args.max_logprobs < -1:
+        print(f"ssd-serve: error: --max-logprobs {args.max_logprobs} is invalid: give -1 (no "
+              "logprobs) or a count >= 0", file=sys.stderr)
+        return 2
     if not 0 <= args.port <= 65535:
         print(f"ssd-serve: error: --port {args.port} is invalid: give 1-65535 (0: any free "
               "port)", file=sys.stderr)
@@ -83,7 +89,8 @@ def _main(argv) -> int:
             llm.follow()
             return 0
         server = Server(llm, mode=args.mode, model_name=args.served_model_name or args.model,
-                        slots=args.slots, max_queue=args.max_queue)
+                        slots=args.slots, max_queue=args.max_queue,
+                        max_logprobs=args.max_logprobs)
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
         print(f"ssd-serve: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2

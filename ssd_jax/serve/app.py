@@ -61,7 +61,7 @@ def build_app(server) -> Starlette:
             return error
         if req.job.stream:
             return StreamingResponse(stream(req, events), media_type="text/event-stream")
-        text, asked = [], [time.monotonic()]
+        text, entries, asked = [], [], [time.monotonic()]
         try:
             while True:
                 ev = await next_event(req, events, http, asked)
@@ -69,6 +69,7 @@ def build_app(server) -> Starlette:
                     return Response(status_code=499)
                 if ev[0] == "delta":
                     text.append(ev[1])
+                    entries += ev[2]
                     continue
                 break
         except asyncio.CancelledError:
@@ -76,11 +77,12 @@ def build_app(server) -> Starlette:
             raise
         if ev[0] == "error":
             return _error(APIError(500, ev[1], kind="server_error"))
-        _, reason, n_tokens, spec = ev
+        _, reason, n_tokens, spec, rest = ev
         job = req.job
+        lp = protocol.logprobs_object(job, entries + rest, server.piece)
         return JSONResponse(protocol.envelope(
-            job, [protocol.choice(job, "".join(text), reason, delta=False)], chunk=False,
-            usage=protocol.usage(len(job.prompt_ids), n_tokens), speculation=spec))
+            job, [protocol.choice(job, "".join(text), reason, delta=False, logprobs=lp)],
+            chunk=False, usage=protocol.usage(len(job.prompt_ids), n_tokens), speculation=spec))
 
     async def next_event(req: Request, events: asyncio.Queue, http: HTTPRequest, asked: list):
         """The next event for a non-streamed request, or None once its client has gone (a
@@ -112,7 +114,8 @@ def build_app(server) -> Starlette:
             while True:
                 ev = await events.get()
                 if ev[0] == "delta":
-                    choice = protocol.choice(job, ev[1], None, delta=True)
+                    choice = protocol.choice(job, ev[1], None, delta=True, logprobs=(
+                        protocol.logprobs_object(job, ev[2], server.piece)))
                     if job.kind == "chat":
                         choice["delta"] = {"content": ev[1]}
                     yield sse(protocol.envelope(job, [choice], chunk=True))
@@ -120,9 +123,10 @@ def build_app(server) -> Starlette:
                 if ev[0] == "error":
                     yield sse(APIError(500, ev[1], kind="server_error").body())
                     break
-                _, reason, n_tokens, spec = ev
+                _, reason, n_tokens, spec, rest = ev
                 last = protocol.choice(job, None if job.kind == "chat" else "", reason,
-                                       delta=True)
+                                       delta=True, logprobs=(
+                                           protocol.logprobs_object(job, rest, server.piece)))
                 yield sse(protocol.envelope(job, [last], chunk=True, speculation=spec))
                 if job.include_usage:
                     yield sse(protocol.envelope(job, [], chunk=True, usage=protocol.usage(

@@ -1,8 +1,8 @@
 """The OpenAI request and response shapes the server speaks, and their validation.
 
-A request becomes a `Job` (prompt token ids, SamplingParams, stop strings, streaming flags) or
-an `APIError` naming the field and the fix: fields the engine does not support (n > 1,
-logprobs, tools, penalties ...) are refused, never silently ignored. Purely informational
+A request becomes a `Job` (prompt token ids, SamplingParams, stop strings, streaming flags,
+log-probabilities asked for) or an `APIError` naming the field and the fix: fields the engine
+does not support (n > 1, echo, tools, penalties ...) are refused, never silently ignored. Purely informational
 fields (user, metadata) are accepted. Extensions, as in vLLM: `top_k`, `ignore_eos`.
 """
 from __future__ import annotations
@@ -40,6 +40,10 @@ class Job:
     # No max_tokens in the request: the server sets max_new_tokens to the context left after
     # the prompt (Server.check_fits), as vLLM and llama.cpp's server do.
     max_tokens_given: bool = True
+    # Log-probabilities: None (not asked for) or how many top alternatives per token (0: the
+    # chosen token's alone). Completions' `logprobs: N`; chat's `logprobs: true` +
+    # `top_logprobs: N`.
+    logprobs: int | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -52,8 +56,8 @@ FIELDS = {"completion": COMMON | {"prompt", "echo", "best_of", "suffix"},
           "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                             "tool_choice", "parallel_tool_calls", "response_format"}}
 # Fields whose only supported value is "off": (field, the values that mean off).
-OFF = {"n": (None, 1), "best_of": (None, 1), "logprobs": (None, False), "echo": (None, False),
-       "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0),
+OFF = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False),
+       "presence_penalty": (None, 0, 0.0),
        "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "suffix": (None, ""),
        "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
        "response_format": (None, {"type": "text"})}
@@ -177,7 +181,24 @@ def parse(kind: str, body, *, model_name: str, encode) -> Job:
         raise APIError(400, msg, next((f for f in ("top_k", "top_p", "temperature")
                                        if msg.startswith(f + "=")), None))
     return Job(kind, model, ids, params, _stop(body), stream,
-               bool(stream_options.get("include_usage")), given)
+               bool(stream_options.get("include_usage")), given, logprobs=_logprobs(kind, body))
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's cap on top_logprobs
+
+
+def _logprobs(kind: str, body: dict) -> int | None:
+    """What the request asks for: None, or the number of top alternatives per token."""
+    if kind == "completion":
+        if body.get("logprobs") is False:
+            return None
+        return _number(body, "logprobs", int, None, 0, MAX_TOP_LOGPROBS)
+    top = _number(body, "top_logprobs", int, None, 0, MAX_TOP_LOGPROBS)
+    if body.get("logprobs") is None or not _flag(body, "logprobs"):
+        if top is not None:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return None
+    return top or 0
 
 
 # ------------------------------------------------------------------ responses
@@ -186,14 +207,49 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
                 total_tokens=prompt_tokens + completion_tokens)
 
 
-def choice(job: Job, text: str | None, finish_reason: str | None, delta: bool) -> dict:
+def choice(job: Job, text: str | None, finish_reason: str | None, delta: bool,
+           logprobs: dict | None = None) -> dict:
     if job.kind == "completion":
-        return dict(index=0, text=text or "", logprobs=None, finish_reason=finish_reason)
+        return dict(index=0, text=text or "", logprobs=logprobs, finish_reason=finish_reason)
     if delta:
         return dict(index=0, delta={} if text is None else {"role": "assistant", "content": text},
-                    logprobs=None, finish_reason=finish_reason)
-    return dict(index=0, message={"role": "assistant", "content": text}, logprobs=None,
+                    logprobs=logprobs, finish_reason=finish_reason)
+    return dict(index=0, message={"role": "assistant", "content": text}, logprobs=logprobs,
                 finish_reason=finish_reason)
+
+
+def logprobs_object(job: Job, entries: list, piece) -> dict | None:
+    """A choice's `logprobs` in the shape of the job's endpoint, from scheduler.LogprobEntry's
+    (None when the job did not ask). `piece(id) -> (text, bytes)`: a token's own text.
+
+    chat: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]};
+    completions (the legacy shape): {tokens, token_logprobs, top_logprobs: [{text: logprob}]
+    with the chosen token among them, text_offset}."""
+    if job.logprobs is None:
+        return None
+    n = job.logprobs
+
+    def one(tok: int, lp: float) -> dict:
+        text, raw = piece(tok)
+        return dict(token=text, logprob=_finite(lp), bytes=list(raw))
+    if job.kind == "chat":
+        return dict(content=[dict(one(e.token, e.logprob),
+                                  top_logprobs=[one(t, lp) for t, lp in e.top[:n]])
+                             for e in entries], refusal=None)
+    tops = []
+    for e in entries:
+        top = {piece(t)[0]: _finite(lp) for t, lp in e.top[:n]}
+        top.setdefault(piece(e.token)[0], _finite(e.logprob))
+        tops.append(top)
+    return dict(tokens=[piece(e.token)[0] for e in entries],
+                token_logprobs=[_finite(e.logprob) for e in entries], top_logprobs=tops,
+                text_offset=[e.text_offset for e in entries])
+
+
+def _finite(lp: float) -> float:
+    """JSON has no -inf: a token the model gives no mass (a masked logit) reads as -9999.0, as
+    OpenAI writes it."""
+    return max(float(lp), -9999.0)
 
 
 def envelope(job: Job, choices: list, chunk: bool, **extra) -> dict:

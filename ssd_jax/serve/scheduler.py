@@ -6,6 +6,13 @@ running batch), frees the slots of finished or abandoned requests, then runs one
 slots. Nobody waits for an unrelated request: a request that arrives while others decode joins
 at the next round boundary. Tokens are cut exactly as offline `generate` cuts them (at the first
 stop token, at max_tokens), text at the first stop string, even one spanning tokens.
+
+Log-probabilities (a request's `logprobs`) come from the same rounds: a round in which any
+running request wants them runs the target's programs that also return the top-`lp_width`
+tokens at every emitted position (core/logprobs.py); other rounds cost nothing extra. Each
+token's entry goes out with the text delta that completes the token's text, and whatever is
+left (a stop token, the tail a stop string cut) with the last event, so a request gets one
+entry per token of usage.completion_tokens.
 """
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ssd_jax.serve.protocol import APIError, Job
 
@@ -23,7 +31,9 @@ log = logging.getLogger(__name__)
 @dataclass(eq=False)  # identity: a request is kept in a set until its last event
 class Request:
     """One request's life in the scheduler. `push(event)` delivers events to the HTTP side:
-    ("delta", text), then ("done", finish_reason, usage, speculation) or ("error", message)."""
+    ("delta", text, logprob entries), then ("done", finish_reason, completion tokens,
+    speculation, logprob entries) or ("error", message). An entry (LogprobEntry) is one
+    token's; requests without `logprobs` get empty lists."""
 
     job: Job
     push: object
@@ -32,6 +42,8 @@ class Request:
     slot: int | None = None
     tokens: list = field(default_factory=list)
     sent: str = ""  # text already delivered
+    entries: list = field(default_factory=list)  # LogprobEntry per token, when asked for
+    entries_sent: int = 0
     finish: str | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     rounds: int = 0
@@ -46,9 +58,24 @@ class Request:
         self.cancelled.set()
 
 
+class LogprobEntry(NamedTuple):
+    """One emitted token's log-probability, the top alternatives at its position as
+    ((id, logprob), ...), and where its text starts in the request's text."""
+
+    token: int
+    logprob: float
+    top: tuple
+    text_offset: int
+
+
 class Scheduler:
-    def __init__(self, live, text, mode: str, k: int, *, max_queue: int, metrics=None):
+    """`lp_width`: how many top tokens the target returns per position when a request asks
+    for log-probabilities (requests may ask for at most that many)."""
+
+    def __init__(self, live, text, mode: str, k: int, *, max_queue: int, metrics=None,
+                 lp_width: int = 0):
         self.live, self.text, self.mode, self.k = live, text, mode, k
+        self.lp_width = lp_width
         self.max_queue, self.metrics = max_queue, metrics
         self.pending: collections.deque[Request] = collections.deque()
         self.active: dict[int, Request] = {}
@@ -128,8 +155,9 @@ class Scheduler:
                 continue
             slot = free.pop(0)
             try:
-                first = self.live.join(slot, req.job.prompt_ids, req.job.params,
-                                       sorted(req.stop_ids))
+                first, lp = self.live.join(slot, req.job.prompt_ids, req.job.params,
+                                           sorted(req.stop_ids),
+                                           self.lp_width if _wants(req) else None)
             except ValueError as e:  # refused before it touched the batch (LiveBatch.request)
                 log.warning("request %s refused at join: %s", req.job.id, e)
                 self._end(req, ("error",
@@ -141,7 +169,7 @@ class Scheduler:
             self.events.append((time.perf_counter(), "join", req.job.id, slot))
             if self.metrics and not req.quiet:
                 self.metrics.ttft.observe(req.first_token_s - req.arrived)
-            self._take(req, [first])
+            self._take(req, [first], _row(lp, 0, [0]))
         self._gauge()
 
     def _drop_cancelled(self) -> None:
@@ -150,9 +178,11 @@ class Scheduler:
                 self._finish(req, "cancelled")
 
     def _round(self) -> None:
-        out, done, hit = self.live.step()
+        want = any(_wants(r) for r in self.active.values())
+        out, done, hit, lp = self.live.step(self.lp_width if want else None)
         for slot, req in list(self.active.items()):
-            toks = [int(t) for t in out[slot] if t >= 0]
+            at = [i for i, t in enumerate(out[slot]) if t >= 0]
+            toks = [int(out[slot][i]) for i in at]
             if not toks:
                 continue
             req.rounds += 1
@@ -160,15 +190,18 @@ class Scheduler:
             req.hits += int(hit is not None and hit[slot])
             if self.metrics and self.mode != "ar" and not req.quiet:
                 self.metrics.accepted.observe(len(toks) - 1)
-            self._take(req, toks)
+            self._take(req, toks, _row(lp, slot, at) if _wants(req) else None)
             if req.finish is None and done[slot]:  # cannot happen: done rows end in _take
                 self._finish(req, "length")
 
     # ---------------------------------------------------------------- tokens -> text
-    def _take(self, req: Request, toks: list[int]) -> None:
-        """Append a round's tokens, cut as offline generate cuts, stream the new text."""
+    def _take(self, req: Request, toks: list[int], lps: list | None = None) -> None:
+        """Append a round's tokens (and, with `lps`, each one's (logprob, top) pair), cut as
+        offline generate cuts, stream the new text."""
         reason = None
-        for t in toks:
+        for i, t in enumerate(toks):
+            if lps is not None:
+                req.entries.append(LogprobEntry(t, *lps[i], len(self.text(req.tokens))))
             req.tokens.append(t)
             if t in req.stop_ids:
                 reason = "stop"
@@ -186,10 +219,18 @@ class Scheduler:
             text = text[:-1] if text.endswith("\ufffd") else text
             text = text[:max(len(req.sent), len(text) - hold)]
         if len(text) > len(req.sent) and req in self.open:
-            req.push(("delta", text[len(req.sent):]))
-            req.sent = text
+            new, req.sent = text[len(req.sent):], text
+            req.push(("delta", new, self._covered(req)))
         if reason:
             self._finish(req, reason)
+
+    def _covered(self, req: Request) -> list:
+        """The entries not yet sent of the tokens whose text has gone out in full."""
+        j = req.entries_sent
+        while j < len(req.entries) and len(self.text(req.tokens[:j + 1])) <= len(req.sent):
+            j += 1
+        out, req.entries_sent = req.entries[req.entries_sent:j], j
+        return out
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish, req.done_s = reason, time.perf_counter()
@@ -199,8 +240,9 @@ class Scheduler:
             self.events.append((time.perf_counter(), "leave", req.job.id, req.slot))
         if self.metrics and not req.quiet:
             self.metrics.finished(req, self.mode)
+        rest, req.entries_sent = req.entries[req.entries_sent:], len(req.entries)
         self._end(req, None if reason == "cancelled" else
-                  ("done", reason, len(req.tokens), self.speculation(req)))
+                  ("done", reason, len(req.tokens), self.speculation(req), rest))
         self._gauge()
 
     def _end(self, req: Request, event: tuple | None) -> None:
@@ -227,3 +269,16 @@ class Scheduler:
         if self.metrics:
             self.metrics.queue.set(len(self.pending))
             self.metrics.running.set(len(self.active))
+
+
+def _wants(req: Request) -> bool:
+    return req.job.logprobs is not None
+
+
+def _row(lp, slot: int, positions: list[int]) -> list | None:
+    """One row's (logprob, ((id, logprob), ...)) at the emitted `positions` of a round."""
+    if lp is None:
+        return None
+    return [(float(lp.chosen[slot, i]),
+             tuple(zip(lp.top_ids[slot, i].tolist(), lp.top[slot, i].tolist())))
+            for i in positions]

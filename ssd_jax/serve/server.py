@@ -20,11 +20,14 @@ log = logging.getLogger(__name__)
 class Server:
     """`llm`: an ssd_jax.LLM (run in this process: EngineConfig(driver="single")); `slots`:
     rows decoding at once; `max_queue`: requests that may wait for a slot (more: 429);
-    `warm_up`: serve one short request of its own before returning (see warm_up)."""
+    `max_logprobs`: the most top alternatives per token a request may ask for (the width the
+    target's programs return while a request wants log-probabilities; -1: none served);
+    `warm_up`: serve short requests of its own before returning (see warm_up)."""
 
     def __init__(self, llm, *, mode: str, model_name: str, slots: int = 8, max_queue: int = 64,
-                 spec: SpecConfig | None = None, warm_up: bool = True):
+                 spec: SpecConfig | None = None, max_logprobs: int = 20, warm_up: bool = True):
         self.llm, self.mode, self.model_name, self.slots = llm, mode, model_name, slots
+        self.max_logprobs = max_logprobs
         self.created = int(time.time())
         mode = llm.core.resolve_mode(mode)
         self.live, self.spec = llm.core.live(mode, slots, spec or llm.spec)
@@ -33,7 +36,7 @@ class Server:
         self._seeds = np.random.default_rng()
         self.scheduler = Scheduler(self.live, self._text,
                                    mode, self.spec.k or 0, max_queue=max_queue,
-                                   metrics=self.metrics)
+                                   metrics=self.metrics, lp_width=max(max_logprobs, 0))
         self.scheduler.start()
         log.info("serving %s (%s, %d slots%s)", model_name, mode.upper(), slots,
                  "" if mode == "ar" else f", K={self.spec.k}")
@@ -41,11 +44,19 @@ class Server:
             self.warm_up()
 
     def warm_up(self) -> float:
-        """Decode one short greedy request (a few rounds, not in /metrics) and return its
-        seconds: XLA compiles the round then, so the first client does not wait for it and a
-        server that answers /health serves at full speed. A failed round raises here."""
-        log.info("warming up: one short request compiles the round")
+        """Decode a short greedy request (a few rounds, not in /metrics), and one asking for
+        log-probabilities, which runs the target's other programs; return their seconds: XLA
+        compiles the rounds then, so the first client does not wait for it and a server that
+        answers /health serves at full speed. A failed round raises here."""
+        log.info("warming up: short requests compile the round")
         t0 = time.perf_counter()
+        for logprobs in (None, 0) if self.max_logprobs >= 0 else (None,):
+            self._warm_up_one(logprobs)
+        seconds = time.perf_counter() - t0
+        log.info("warmed up in %.1f s", seconds)
+        return seconds
+
+    def _warm_up_one(self, logprobs: int | None) -> None:
         last: list = []
         done = threading.Event()
 
@@ -56,7 +67,7 @@ class Server:
         k = self.spec.k or 0
         job = Job("completion", self.model_name, self.llm.prompts.encode("Hello", chat=False),
                   SamplingParams(max_new_tokens=2 * (k + 1) + 1, ignore_eos=True), [],
-                  stream=False, include_usage=False)
+                  stream=False, include_usage=False, logprobs=logprobs)
         self.check_fits(job)
         self.scheduler.submit(Request(job, push, set(), quiet=True))
         while not done.wait(1.0):
@@ -65,12 +76,12 @@ class Server:
         if not last or last[0][0] != "done":
             raise RuntimeError(f"the server's warm-up request failed: "
                                f"{last[0][1] if last else 'the decode thread ended'}")
-        seconds = time.perf_counter() - t0
-        log.info("warmed up in %.1f s", seconds)
-        return seconds
 
     def _text(self, ids: list[int]) -> str:
         return self.llm.prompts.text(ids)
+
+    def piece(self, token_id: int) -> tuple[str, bytes]:
+        return self.llm.prompts.piece(token_id)
 
     def encode(self, prompt, chat: bool) -> list[int]:
         if chat and not isinstance(prompt, list):
@@ -90,6 +101,13 @@ class Server:
         reach the request late, and its neighbours not at all."""
         if job.params.seed is None:
             job.params = replace(job.params, seed=int(self._seeds.integers(2**32)))
+        if job.logprobs is not None and job.logprobs > self.max_logprobs:
+            name = "logprobs" if job.kind == "completion" else "top_logprobs"
+            raise APIError(400, f"'{name}'={job.logprobs} is more than this server returns "
+                                + ("(it was started with --max-logprobs -1: no log-"
+                                   "probabilities)" if self.max_logprobs < 0 else
+                                   f"({self.max_logprobs}): ask for fewer, or start it with a "
+                                   "larger --max-logprobs"), name)
         cfg, k = self.llm.engine, self.spec.k or 0
         limit, slack = context_room(cfg, self.llm.config.max_position_embeddings, self.mode, k)
         field = "messages" if job.kind == "chat" else "prompt"

@@ -1,0 +1,45 @@
+"""The target's log-probabilities of the tokens it emits, for the server's `logprobs`.
+
+They are the model's own distribution, log_softmax of the target's logits at the position that
+emitted the token, before temperature, top-k or top-p (vLLM's default, "raw" logprobs): a
+property of the model and the text, the same whichever mode (AR, SD, SSD) produced the text.
+Speculation changes which program scores a position, never the logits it scores there, so
+every mode reports the same numbers up to float rounding (tests/test_logprobs.py compares them
+with a plain forward over the whole text).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+
+class TokenLogprobs(NamedTuple):
+    """Per emitted position: the chosen token's log-probability and the N most likely tokens.
+    Positions that emitted nothing (token -1) hold the top-N of their logits all the same;
+    readers skip them as they skip the -1."""
+
+    chosen: Float[Array, "B T"]
+    top_ids: Int[Array, "B T N"]
+    top: Float[Array, "B T N"]
+
+
+class HostLogprobs(NamedTuple):
+    """TokenLogprobs read back to the host (numpy), as the server consumes them."""
+
+    chosen: np.ndarray  # [B, T] float32
+    top_ids: np.ndarray  # [B, T, N] int32
+    top: np.ndarray  # [B, T, N] float32
+
+
+def token_logprobs(logits: Float[Array, "B T V"], tokens: Int[Array, "B T"], n: int
+                   ) -> TokenLogprobs:
+    """log p(tokens[b, t]) under logits[b, t], and the n most likely tokens there (n >= 0)."""
+    lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)  # [B, T]
+    picked = jnp.take_along_axis(logits, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0]
+    top, ids = jax.lax.top_k(logits, n)
+    return TokenLogprobs(picked.astype(jnp.float32) - lse, ids.astype(jnp.int32),
+                         top.astype(jnp.float32) - lse[..., None])
