@@ -167,8 +167,8 @@ def test_disconnect_frees_the_row_and_bad_requests_are_400(served):
             (json.dumps({"model": MODEL, "prompt": "x", "n": 2}).encode(), 400, "'n'=2"),
             (json.dumps({"model": MODEL, "prompt": "x", "temperature": -1}).encode(), 400,
              "'temperature'=-1"),
-            (json.dumps({"model": MODEL, "prompt": "x", "logprobs": 3}).encode(), 400,
-             "'logprobs'"),
+            (json.dumps({"model": MODEL, "prompt": "x", "logprobs": 21}).encode(), 400,
+             "'logprobs'=21"),
             (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 10**6}).encode(), 400,
              "context")]:
         r = httpx.post(url + "/v1/completions", content=payload, timeout=30,
@@ -190,6 +190,59 @@ def test_disconnect_frees_the_row_and_bad_requests_are_400(served):
     while server.scheduler.active or server.scheduler.pending:
         assert time.time() < deadline, "the non-streamed request kept its row"
         time.sleep(0.05)
+
+
+def test_logprobs_with_the_openai_client(served):
+    """logprobs / top_logprobs: one entry per completion token whose bytes spell the text,
+    top alternatives sorted with the greedy choice first, the same streamed or not, in chat's
+    and completions' shapes (the numbers themselves: tests/test_logprobs.py)."""
+    server, url, want = served
+    client = _client(url)
+    text, n, _ = want["long", PROMPTS[3]]
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": PROMPTS[3]}], max_tokens=n,
+              temperature=0, extra_body={"ignore_eos": True}, logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].message.content == text  # asking for logprobs changes no token
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == r.usage.completion_tokens == n
+    assert b"".join(bytes(e.bytes) for e in entries).decode() == text
+    for e in entries:
+        top = e.top_logprobs
+        assert len(top) == 2 and top[0].logprob >= top[1].logprob and e.logprob <= 0
+        assert (top[0].token, top[0].logprob) == (e.token, pytest.approx(e.logprob, abs=1e-6))
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [
+        (e.token, round(e.logprob, 4)) for e in entries]
+    # Completions' legacy shape, cut by a stop string: still one entry per counted token.
+    stop = text[9:13]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=n, temperature=0,
+                                  logprobs=1, stop=[stop])
+    lp, out = r.choices[0].logprobs, r.choices[0].text
+    assert len(lp.tokens) == len(lp.token_logprobs) == r.usage.completion_tokens
+    assert "".join(lp.tokens).startswith(out) and lp.text_offset[0] == 0
+    assert all(len(t) <= 2 and max(t.values()) <= 0 for t in lp.top_logprobs)
+    offsets = [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert lp.text_offset == offsets
+    # What the server cannot give is a 400 naming the field.
+    for body, needle in [({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+                          "needs 'logprobs': true"),
+                         ({"prompt": "x", "logprobs": 21}, "'logprobs'=21")]:
+        kind = "chat" if "messages" in body else "completion"
+        with pytest.raises(APIError) as e:
+            parse(kind, {"model": MODEL, **body}, model_name=MODEL, encode=server.encode)
+        assert needle in e.value.message
+    job = parse("chat", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                         "logprobs": True, "top_logprobs": 3}, model_name=MODEL,
+                encode=server.encode)
+    server.max_logprobs, keep = 2, server.max_logprobs
+    try:
+        with pytest.raises(APIError) as e:
+            server.check_fits(job)
+        assert "--max-logprobs" in e.value.message and e.value.param == "top_logprobs"
+    finally:
+        server.max_logprobs = keep
 
 
 def test_requests_without_max_tokens_get_the_context_left(served):
