@@ -106,6 +106,9 @@ class ModelConfig:
         return cls(**d)
 
 
+MAX_LOGPROBS = 20  # top alternatives per token, at most (as vLLM's and OpenAI's default cap)
+
+
 # User-facing settings that validate (and normalise) their own fields with errors naming the fix:
 # the test run's type-check hook (tests/conftest.py) is kept off them, since it would pre-empt
 # those errors (e.g. stop_token_ids=[2] is accepted and stored as a tuple).
@@ -127,9 +130,16 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # The target's log-probability of each generated token and its `logprobs` most likely
+    # alternatives (RequestOutput.logprobs); None: not computed.
+    logprobs: int | None = None
 
     def __post_init__(self):
         _require_ints(self, "top_k", "max_new_tokens")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(
+                self.logprobs, numbers.Integral) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs={self.logprobs!r} is invalid: give None (off) or the "
+                             f"number of top alternatives per token, 0..{MAX_LOGPROBS}")
         _check_seed(self.seed)
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
             raise ValueError(

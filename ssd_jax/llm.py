@@ -27,6 +27,9 @@ class RequestOutput:
     text: str
     finish_reason: str  # "stop" (stop/EOS token) or "length" (max_new_tokens)
     metrics: RunMetrics | None = field(default=None, repr=False)
+    # SamplingParams.logprobs given: per generated token, {token id: log-probability} for the
+    # token and the top alternatives (the target's raw distribution, core/logprobs.py).
+    logprobs: list[dict[int, float]] | None = field(default=None, repr=False)
 
 
 def _check_config(name: str, value, cls) -> None:
@@ -189,9 +192,11 @@ class LLM:
                              self._sync(sync_phases))
 
     def _collect(self, ids, params, mode, spec, sync_phases
-                 ) -> Iterator[tuple[list[list[int]], list[str | None], RunMetrics]]:
-        """Per-row token lists grown chunk by chunk, cut at the stop token / budget."""
+                 ) -> Iterator[tuple[list[list[int]], list[str | None], RunMetrics, list]]:
+        """Per-row token lists grown chunk by chunk, cut at the stop token / budget, and per
+        row its tokens' log-probabilities (None where the row did not ask)."""
         out: list[list[int]] = [[] for _ in ids]
+        lps = [None if p.logprobs is None else [] for p in params]
         reason: list[str | None] = [None] * len(ids)
         stops = [set(self.prompts.stop_ids(p)) for p in params]
         for toks, metrics in self._run(ids, params, mode, spec, sync_phases):
@@ -199,6 +204,11 @@ class LLM:
                 for t in toks[i]:
                     if reason[i] is not None:
                         break
+                    if isinstance(t, tuple):  # (token, logprob, top): the batch asked
+                        t, chosen, top = t
+                        if lps[i] is not None:
+                            n = params[i].logprobs
+                            lps[i].append({**dict(list(top.items())[:n]), int(t): chosen})
                     out[i].append(int(t))
                     if int(t) in stops[i]:
                         reason[i] = "stop"
@@ -206,7 +216,7 @@ class LLM:
                         reason[i] = "length"
             metrics.new_tokens = sum(len(o) for o in out)
             self.last_metrics = metrics
-            yield out, reason, metrics
+            yield out, reason, metrics, lps
         self.core.learn(mode, metrics, greedy=all(p.temperature == 0 for p in params))
 
     # ---------------------------------------------------------------- public API
@@ -222,11 +232,11 @@ class LLM:
         EngineConfig's)."""
         mode, spec, sync = self._call(mode, spec, sync_phases)
         ids, params = self._prepare(prompts, sampling_params, chat)
-        out = reason = metrics = None
-        for out, reason, metrics in self._collect(ids, params, mode, spec, sync):
+        out = reason = metrics = lps = None
+        for out, reason, metrics, lps in self._collect(ids, params, mode, spec, sync):
             pass
         return [RequestOutput(ids[i], out[i], self.prompts.text(out[i]), reason[i] or "length",
-                              metrics) for i in range(len(ids))]
+                              metrics, lps[i]) for i in range(len(ids))]
 
     @no_type_check
     def warmup(self, prompts: Prompt | Sequence[Prompt],
@@ -284,7 +294,7 @@ class LLM:
         mode, spec, sync = self._call(mode, spec, sync_phases)
         ids, params = self._prepare([prompt], sampling_params, chat)
         shown = ""
-        for out, _, _ in self._collect(ids, params, mode, spec, sync):
+        for out, _, _, _ in self._collect(ids, params, mode, spec, sync):
             text = self.prompts.text(out[0])
             # Hold back a trailing replacement char: a multi-byte character may be incomplete.
             stable = text[:-1] if text.endswith("\ufffd") else text

@@ -21,7 +21,7 @@ TOP = 3
 def pair(tiny_llama, tmp_path_factory):
     path = tmp_path_factory.mktemp("lp_draft")
     save_noisy_draft(tiny_llama[1], path)
-    return load(tiny_llama[0])[0], load(path)[0], tiny_llama[1]
+    return load(tiny_llama[0])[0], load(path)[0], tiny_llama[1], str(tiny_llama[0]), str(path)
 
 
 def _drive(live, requests, logprobs):
@@ -64,7 +64,7 @@ def _oracle(hf, prompt, tokens):
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
 def test_logprobs_equal_a_plain_forward_and_change_no_token(pair, mode):
-    target, draft, hf = pair
+    target, draft, hf, _, _ = pair
     llm = LLM(target, draft=draft, spec=SpecConfig(k=3, budget=8),
               engine=EngineConfig(max_batch=2, max_seq_len=128, prefill_bucket=16,
                                   driver="single"))
@@ -91,7 +91,7 @@ def test_logprobs_equal_a_plain_forward_and_change_no_token(pair, mode):
 
 def test_sampled_tokens_are_the_same_with_or_without_logprobs(pair):
     """Logprob rounds run other programs: the draws, hence the sampled tokens, must not move."""
-    target, draft, _ = pair
+    target, draft, _, _, _ = pair
     llm = LLM(target, draft=draft, spec=SpecConfig(k=3, budget=8),
               engine=EngineConfig(max_batch=2, max_seq_len=128, prefill_bucket=16,
                                   driver="single"))
@@ -100,3 +100,54 @@ def test_sampled_tokens_are_the_same_with_or_without_logprobs(pair):
     plain, _ = _drive(llm.core.live("ssd", 2, llm.spec)[0], reqs, logprobs=set())
     asked, _ = _drive(llm.core.live("ssd", 2, llm.spec)[0], reqs, logprobs={0, 1, 2})
     assert asked == plain
+
+
+def _check_offline(out, reqs, hf):
+    for o, (ids, p) in zip(out, reqs):
+        if p.logprobs is None:
+            assert o.logprobs is None
+            continue
+        ref = _oracle(hf, ids, o.token_ids)
+        assert len(o.logprobs) == len(o.token_ids)
+        for pos, (tok, lp) in enumerate(zip(o.token_ids, o.logprobs)):
+            order = [int(t) for t in np.argsort(-ref[pos])[:p.logprobs]]
+            assert set(lp) == set(order) | {tok}, pos
+            for t, v in lp.items():
+                np.testing.assert_allclose(v, ref[pos, t], atol=2e-4)
+
+
+OFFLINE = [(PROMPTS[0], dict(max_new_tokens=12, logprobs=2)),
+           (PROMPTS[1], dict(max_new_tokens=9, temperature=1.0, seed=3, logprobs=0)),
+           (PROMPTS[2], dict(max_new_tokens=10))]
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_generate_returns_logprobs_of_a_plain_forward(pair, mode):
+    """SamplingParams.logprobs offline, rows asking and not asking in one batch."""
+    target, draft, hf, _, _ = pair
+    llm = LLM(target, draft=draft, spec=SpecConfig(k=3, budget=8),
+              engine=EngineConfig(max_batch=4, max_seq_len=128, prefill_bucket=16,
+                                  driver="single"))
+    reqs = [(ids, SamplingParams(ignore_eos=True, **kw)) for ids, kw in OFFLINE]
+    out = llm.generate([ids for ids, _ in reqs], [p for _, p in reqs], mode=mode)
+    plain = llm.generate([ids for ids, _ in reqs],
+                         [SamplingParams(ignore_eos=True, **{**kw, "logprobs": None})
+                          for _, kw in OFFLINE], mode=mode)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    _check_offline(out, reqs, hf)
+
+
+def test_generate_logprobs_from_a_target_worker_process(pair):
+    """The worker-process driver: the target's log-probabilities cross the process pipe."""
+    _, _, hf, target, draft = pair
+    reqs = [(ids, SamplingParams(ignore_eos=True, **kw)) for ids, kw in OFFLINE]
+    with LLM(target, draft=draft, spec=SpecConfig(k=3, budget=8),
+             engine=EngineConfig(max_batch=4, max_seq_len=128, prefill_bucket=16,
+                                 driver="processes")) as llm:
+        out = llm.generate([ids for ids, _ in reqs], [p for _, p in reqs], mode="ssd")
+    _check_offline(out, reqs, hf)
+
+
+def test_logprobs_out_of_range_is_one_clear_error():
+    with pytest.raises(ValueError, match="logprobs=21 is invalid"):
+        SamplingParams(logprobs=21)

@@ -343,13 +343,13 @@ def test_stop_answers_requests_before_the_round_in_flight_ends():
         def free_slots(self):
             return [0]
 
-        def join(self, slot, ids, params, stops):
-            return 7
+        def join(self, slot, ids, params, stops, logprobs=None):
+            return 7, None
 
-        def step(self):
+        def step(self, logprobs=None):
             in_round.set()
             release.wait(30)
-            return np.array([[7, -1]]), np.array([False]), None
+            return np.array([[7, -1]]), np.array([False]), None, None
 
         def leave(self, slot):
             pass

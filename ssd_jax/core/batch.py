@@ -28,6 +28,9 @@ class Batch:
     req: Requests  # sampling, stop ids, budgets per row
     greedy_only: bool  # every row greedy: programs skip softmax and randomness entirely
     max_steps: int  # the largest max_new_tokens of a real row
+    # The target's top-N width when a real row asked for log-probabilities (the largest ask),
+    # else None: the loops then run the programs that compute none.
+    logprobs: int | None = None
 
     @property
     def size(self) -> int:
@@ -83,4 +86,6 @@ def make_batch(ids: list[list[int]], params: list[SamplingParams], stops: list[l
     return Batch(n=n, tokens=jnp.asarray(tokens),
                  prompt_len=jnp.asarray([len(t) for t in ids], jnp.int32), req=req,
                  greedy_only=all(p.temperature == 0 for p in params[:n]),
-                 max_steps=max(p.max_new_tokens for p in params[:n]))
+                 max_steps=max(p.max_new_tokens for p in params[:n]),
+                 logprobs=max((p.logprobs for p in params[:n] if p.logprobs is not None),
+                              default=None))

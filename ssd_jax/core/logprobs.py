@@ -43,3 +43,12 @@ def token_logprobs(logits: Float[Array, "B T V"], tokens: Int[Array, "B T"], n: 
     top, ids = jax.lax.top_k(logits, n)
     return TokenLogprobs(picked.astype(jnp.float32) - lse, ids.astype(jnp.int32),
                          top.astype(jnp.float32) - lse[..., None])
+
+
+def with_logprobs(out: np.ndarray, lp: TokenLogprobs, rows: int) -> list[list[tuple]]:
+    """A round's (or step's) emitted tokens [B, T] (-1: none) and their TokenLogprobs -> per
+    real row, (token, logprob, {id: logprob} of the top-N) for each emitted token."""
+    chosen, top_ids, top = (np.asarray(a) for a in lp)
+    return [[(int(out[b, i]), float(chosen[b, i]),
+              dict(zip(top_ids[b, i].tolist(), top[b, i].tolist())))
+             for i in range(out.shape[1]) if out[b, i] >= 0] for b in range(rows)]

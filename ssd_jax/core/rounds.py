@@ -26,7 +26,7 @@ from ssd_jax.core.backups import BACKUPS
 from ssd_jax.core.batch import Batch
 from ssd_jax.core.draft import DraftConfig, DraftState, FanLists, build, select, start
 from ssd_jax.core.fanout import FanoutModel
-from ssd_jax.core.logprobs import TokenLogprobs
+from ssd_jax.core.logprobs import TokenLogprobs, with_logprobs
 from ssd_jax.core.metrics import RunMetrics, SSDStats
 from ssd_jax.core.runner import ModelRunner
 from ssd_jax.core.speculation import Outcome, Speculation, sd_speculation
@@ -34,13 +34,25 @@ from ssd_jax.core.speed import BackupChooser
 from ssd_jax.core.target import TargetState, target_step
 from ssd_jax.models.transformer import KVCache
 
-Chunk = list[list[int]]  # per real row, the tokens emitted in a chunk of rounds
+# Per real row, the tokens emitted in a chunk of rounds; when the batch asked for
+# log-probabilities (Batch.logprobs), (token, logprob, {id: logprob}) triples instead.
+Chunk = list[list[int]] | list[list[tuple]]
 
 
-def _emit(outs: list, rows: int) -> Chunk:
-    """A chunk's emitted tokens [B, *] per round -> each real row's tokens (-1 padding cut)."""
+def _emit(outs: list, rows: int, lps: list | None = None) -> Chunk:
+    """A chunk's emitted tokens [B, *] per round -> each real row's tokens (-1 padding cut),
+    with their log-probabilities where `lps` (one TokenLogprobs per round) is given."""
+    if lps is not None:
+        per_round = [with_logprobs(np.asarray(o).reshape(np.shape(o)[0], -1), lp, rows)
+                     for o, lp in zip(outs, lps)]
+        return [sum((r[b] for r in per_round), []) for b in range(rows)]
     stacked = np.concatenate([np.asarray(o)[:rows].reshape(rows, -1) for o in outs], axis=1)
     return [[int(x) for x in row if x >= 0] for row in stacked]
+
+
+def _first(ts: TargetState, lp, rows: int) -> Chunk:
+    """The prefill's chunk: each real row's first token (with its log-probabilities)."""
+    return _emit([ts.rows.last[:, None]], rows, None if lp is None else [lp])
 
 
 def _all_done(rows, n: int) -> bool:
@@ -206,21 +218,22 @@ def ssd_loop(target: TargetSide | None, draft: DraftSide | None, link, metrics: 
     stats = metrics.ssd = SSDStats(k=metrics.k)
     n_real = (target or draft).batch.n
     t0 = time.perf_counter()
-    ts = target.prefill()[0] if target is not None else None
+    logprobs = target.batch.logprobs if target is not None else None
+    ts, lp = target.prefill(logprobs) if target is not None else (None, None)
     outcome = link.outcome(None if ts is None else Outcome(ts.rows.last * 0 - 1, ts.rows.last))
     ds, spec = draft.start(outcome.t) if draft is not None else (None, None)
     s = RoundState(ts, ds, link.speculation(spec))
     if target is not None:
-        first = np.asarray(ts.rows.last)
+        first = _first(ts, lp, n_real)  # TTFT includes the first token's transfer to the host
         metrics.ttft_s = time.perf_counter() - t0
-        yield [[int(x)] for x in first[:n_real]]
+        yield first
     phases = (dict(verify_s=0.0, exposed_s=0.0, build_s=0.0, select_s=0.0, verify_rounds=[],
                    build_rounds=[]) if timed else None)
     t1 = time.perf_counter()
     while not _all_done((s.target or s.draft).rows, n_real):
         t_recs, d_recs = [], []
         for _ in range(sync_every):
-            s, t_rec, d_rec = ssd_round(target, draft, link, s, phases)
+            s, t_rec, d_rec = ssd_round(target, draft, link, s, phases, logprobs)
             t_recs.append(t_rec)
             d_recs.append(d_rec)
         # Host side, a chunk behind the devices: statistics, fan-out, emitted tokens.
@@ -241,7 +254,8 @@ def ssd_loop(target: TargetSide | None, draft: DraftSide | None, link, metrics: 
                 stats.record(n, hit, done, n_real)
             metrics.accept_hist = [h + m for h, m in zip(stats.accept_hist_hit,
                                                            stats.accept_hist_miss)]
-            chunk = _emit([r[0] for r in t_recs], n_real)
+            chunk = _emit([r[0] for r in t_recs], n_real,
+                          None if logprobs is None else [r[4] for r in t_recs])
             metrics.decode_s = time.perf_counter() - t1
             yield chunk
 
@@ -254,11 +268,11 @@ def sd_loop(target: TargetSide, draft: ModelRunner, vocab, draft_cache: KVCache,
     cfg = DraftConfig(draft.graphdef, vocab, metrics.k, budget=0, greedy_only=b.greedy_only)
     k = cfg.k
     t0 = time.perf_counter()
-    state, _ = target.prefill()
+    state, lp = target.prefill(b.logprobs)
     draft_cache = draft.fill(vocab.draft_ids(b.tokens), draft_cache)
-    first = np.asarray(state.rows.last)
+    first = _first(state, lp, b.n)
     metrics.ttft_s = time.perf_counter() - t0
-    yield [[int(x)] for x in first[:b.n]]
+    yield first
     hist = np.zeros(k + 1, np.int64)
     t1 = time.perf_counter()
     while not _all_done(state.rows, b.n):
@@ -270,7 +284,7 @@ def sd_loop(target: TargetSide, draft: ModelRunner, vocab, draft_cache: KVCache,
                 spec.tokens.block_until_ready()
             tv = time.perf_counter()
             was_done = state.rows.done
-            state, outcome, out, _ = target.verify(state, spec)
+            state, outcome, out, lp = target.verify(state, spec, b.logprobs)
             if timed:
                 outcome.n.block_until_ready()
                 t_end = time.perf_counter()
@@ -278,13 +292,14 @@ def sd_loop(target: TargetSide, draft: ModelRunner, vocab, draft_cache: KVCache,
                 metrics.verify_s += t_end - tv
                 metrics.draft_rounds.append(tv - ts)
                 metrics.verify_rounds.append(t_end - tv)
-            outs.append((out, outcome.n, was_done))
-        for _, n, was_done in outs:
+            outs.append((out, outcome.n, was_done, lp))
+        for _, n, was_done, _ in outs:
             live = ~np.asarray(was_done)[:b.n]
             np.add.at(hist, np.asarray(n)[:b.n][live], 1)
         metrics.decode_steps += len(outs)
         metrics.accept_hist = hist.tolist()
-        chunk = _emit([o[0] for o in outs], b.n)
+        chunk = _emit([o[0] for o in outs], b.n,
+                      None if b.logprobs is None else [o[3] for o in outs])
         metrics.decode_s = time.perf_counter() - t1
         yield chunk
 
@@ -294,21 +309,22 @@ def ar_loop(target: TargetSide, metrics: RunMetrics, sync_every: int) -> Iterato
     caller cuts off; the host reads a chunk of steps at a time, never waiting inside one."""
     b = target.batch
     t0 = time.perf_counter()
-    state, _ = target.prefill()
+    state, lp = target.prefill(b.logprobs)
     rows, cache = state.rows, state.cache
-    first = np.asarray(rows.last)  # TTFT includes the first token's transfer to the host
+    first = _first(state, lp, b.n)  # TTFT includes the first token's transfer to the host
     metrics.ttft_s = time.perf_counter() - t0
-    yield [[int(x)] for x in first[:b.n]]
+    yield first
     steps, done_steps = b.max_steps - 1, 0
     t1 = time.perf_counter()
     while done_steps < steps and not _all_done(rows, b.n):
-        chunk, t_chunk = [], time.perf_counter()
+        chunk, lps, t_chunk = [], [], time.perf_counter()
         for _ in range(min(sync_every, steps - done_steps)):
-            rows, cache, _ = target.runner.decode(rows, cache, b.req)
-            chunk.append(rows.last)
+            rows, cache, lp = target.runner.decode(rows, cache, b.req, b.logprobs)
+            chunk.append(rows.last[:, None])
+            lps.append(lp)
         done_steps += len(chunk)
         metrics.decode_steps += len(chunk)
-        out = _emit(chunk, b.n)
+        out = _emit(chunk, b.n, None if b.logprobs is None else lps)
         now = time.perf_counter()
         metrics.decode_s = now - t1
         metrics.step_chunks.append((now - t_chunk) / len(chunk))

@@ -11,7 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ssd_jax.config import SamplingParams
+from ssd_jax.config import MAX_LOGPROBS, SamplingParams
 
 
 class APIError(Exception):
@@ -184,16 +184,13 @@ def parse(kind: str, body, *, model_name: str, encode) -> Job:
                bool(stream_options.get("include_usage")), given, logprobs=_logprobs(kind, body))
 
 
-MAX_TOP_LOGPROBS = 20  # OpenAI's cap on top_logprobs
-
-
 def _logprobs(kind: str, body: dict) -> int | None:
     """What the request asks for: None, or the number of top alternatives per token."""
     if kind == "completion":
         if body.get("logprobs") is False:
             return None
-        return _number(body, "logprobs", int, None, 0, MAX_TOP_LOGPROBS)
-    top = _number(body, "top_logprobs", int, None, 0, MAX_TOP_LOGPROBS)
+        return _number(body, "logprobs", int, None, 0, MAX_LOGPROBS)
+    top = _number(body, "top_logprobs", int, None, 0, MAX_LOGPROBS)
     if body.get("logprobs") is None or not _flag(body, "logprobs"):
         if top is not None:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
