@@ -24,6 +24,12 @@ def pair(tiny_llama, tmp_path_factory):
     return load(tiny_llama[0])[0], load(path)[0], tiny_llama[1], str(tiny_llama[0]), str(path)
 
 
+def _llm(target, draft, rows: int, driver: str = "single") -> LLM:
+    return LLM(target, draft=draft, spec=SpecConfig(k=3, budget=8),
+               engine=EngineConfig(max_batch=rows, max_seq_len=128, prefill_bucket=16,
+                                   driver=driver))
+
+
 def _drive(live, requests, logprobs):
     """Requests into 2 slots, joining as rows free up; per request its tokens and, for the
     indices in `logprobs`, (chosen, top ids, top) per token."""
@@ -65,9 +71,7 @@ def _oracle(hf, prompt, tokens):
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
 def test_logprobs_equal_a_plain_forward_and_change_no_token(pair, mode):
     target, draft, hf, _, _ = pair
-    llm = LLM(target, draft=draft, spec=SpecConfig(k=3, budget=8),
-              engine=EngineConfig(max_batch=2, max_seq_len=128, prefill_bucket=16,
-                                  driver="single"))
+    llm = _llm(target, draft, rows=2)
     reqs = [(PROMPTS[i], SamplingParams(max_new_tokens=n, ignore_eos=True, seed=i,
                                         temperature=t))
             for i, (n, t) in enumerate([(12, 0.0), (7, 1.0), (15, 0.0), (9, 0.7), (10, 0.0)])]
@@ -92,9 +96,7 @@ def test_logprobs_equal_a_plain_forward_and_change_no_token(pair, mode):
 def test_sampled_tokens_are_the_same_with_or_without_logprobs(pair):
     """Logprob rounds run other programs: the draws, hence the sampled tokens, must not move."""
     target, draft, _, _, _ = pair
-    llm = LLM(target, draft=draft, spec=SpecConfig(k=3, budget=8),
-              engine=EngineConfig(max_batch=2, max_seq_len=128, prefill_bucket=16,
-                                  driver="single"))
+    llm = _llm(target, draft, rows=2)
     reqs = [(PROMPTS[i], SamplingParams(max_new_tokens=10, ignore_eos=True, seed=7 + i,
                                         temperature=1.0)) for i in range(3)]
     plain, _ = _drive(llm.core.live("ssd", 2, llm.spec)[0], reqs, logprobs=set())
@@ -125,9 +127,7 @@ OFFLINE = [(PROMPTS[0], dict(max_new_tokens=12, logprobs=2)),
 def test_generate_returns_logprobs_of_a_plain_forward(pair, mode):
     """SamplingParams.logprobs offline, rows asking and not asking in one batch."""
     target, draft, hf, _, _ = pair
-    llm = LLM(target, draft=draft, spec=SpecConfig(k=3, budget=8),
-              engine=EngineConfig(max_batch=4, max_seq_len=128, prefill_bucket=16,
-                                  driver="single"))
+    llm = _llm(target, draft, rows=4)
     reqs = [(ids, SamplingParams(ignore_eos=True, **kw)) for ids, kw in OFFLINE]
     out = llm.generate([ids for ids, _ in reqs], [p for _, p in reqs], mode=mode)
     plain = llm.generate([ids for ids, _ in reqs],
@@ -141,9 +141,7 @@ def test_generate_logprobs_from_a_target_worker_process(pair):
     """The worker-process driver: the target's log-probabilities cross the process pipe."""
     _, _, hf, target, draft = pair
     reqs = [(ids, SamplingParams(ignore_eos=True, **kw)) for ids, kw in OFFLINE]
-    with LLM(target, draft=draft, spec=SpecConfig(k=3, budget=8),
-             engine=EngineConfig(max_batch=4, max_seq_len=128, prefill_bucket=16,
-                                 driver="processes")) as llm:
+    with _llm(target, draft, rows=4, driver="processes") as llm:
         out = llm.generate([ids for ids, _ in reqs], [p for _, p in reqs], mode="ssd")
     _check_offline(out, reqs, hf)
 
