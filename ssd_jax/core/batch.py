@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ssd_jax.config import SamplingParams
+from ssd_jax.config import MAX_LOGPROBS, SamplingParams
 from ssd_jax.core.rows import Requests, RowSampling
 from ssd_jax.sharding import put
 
@@ -28,8 +28,9 @@ class Batch:
     req: Requests  # sampling, stop ids, budgets per row
     greedy_only: bool  # every row greedy: programs skip softmax and randomness entirely
     max_steps: int  # the largest max_new_tokens of a real row
-    # The target's top-N width when a real row asked for log-probabilities (the largest ask),
-    # else None: the loops then run the programs that compute none.
+    # The target's top-N width when a real row asked for log-probabilities, else None: the
+    # loops then run the programs that compute none. Always MAX_LOGPROBS when asked (rows keep
+    # their own N on the host), so calls asking for different N share one compiled program.
     logprobs: int | None = None
 
     @property
@@ -87,5 +88,5 @@ def make_batch(ids: list[list[int]], params: list[SamplingParams], stops: list[l
                  prompt_len=jnp.asarray([len(t) for t in ids], jnp.int32), req=req,
                  greedy_only=all(p.temperature == 0 for p in params[:n]),
                  max_steps=max(p.max_new_tokens for p in params[:n]),
-                 logprobs=max((p.logprobs for p in params[:n] if p.logprobs is not None),
-                              default=None))
+                 logprobs=MAX_LOGPROBS if any(p.logprobs is not None for p in params[:n])
+                 else None)
