@@ -6,6 +6,8 @@ Test files import from here (or take conftest fixtures), never from each other.
   distribution test; drawing something the law rules out fails outright).
 - `exact_sequence_probs`: the target's exact law of its first tokens, by enumerating every
   continuation through transformers (the reference for sampled SD and SSD).
+- `token_logprobs`: transformers' log_softmax at the positions that predicted each emitted token
+  (one forward over prompt + output: no cache, no speculation).
 - `dequantize`: a numpy decoder of ggml's quantised blocks (Q8_0, Q5_0, Q4_K, Q6_K), written from
   ggml's block layouts (ggml-common.h, dequantize_row_* in ggml-quants.c), not from gguf-py.
 """
@@ -76,6 +78,15 @@ def exact_sequence_probs(hf_model, prompt: list[int], temperature: float, top_p:
 
 Q = gguf.GGMLQuantizationType
 QK_K = 256  # elements per K-quant super-block; Q8_0 and Q5_0 blocks hold 32
+
+
+def token_logprobs(hf_model, prompt: list[int], tokens: list[int]) -> np.ndarray:
+    """[len(tokens), vocab]: row i is the log-probability law that predicted tokens[i]."""
+    import torch
+    ids = torch.tensor([list(prompt) + list(tokens[:-1])])
+    with torch.no_grad():
+        logits = hf_model(ids).logits[0, len(prompt) - 1:].double()
+    return torch.log_softmax(logits, -1).numpy()
 
 
 def f16(raw: np.ndarray) -> np.ndarray:

@@ -8,7 +8,8 @@ compiles during a second batch of the same shapes.
     python tests/pod_job.py TARGET DRAFT OUT --mesh 2,1 [--sampled] [--serve] [--long]
 
 --serve: last, the lead serves the OpenAI API from the pod (ssd_jax.serve's Server) and the
-official client sends a seeded sampled request alone, then greedy requests at once.
+official client sends a seeded sampled request alone, then greedy requests at once, then one
+asking for log-probabilities.
 """
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ SERVE_SLOTS = 2
 SERVE_GREEDY = [("w5 w9 w11", 9), ("w20 w21 w22 w23 w24 w25", 14), ("w7 w7 w7", 5),
                 ("w3 w1 w4 w1 w5", 11)]
 SERVE_SAMPLED = ("w40 w41 w42", 12, 7)  # prompt, max_tokens, seed; T = 1
+# An offline SSD batch on the pod in which two rows ask for log-probabilities (one sampled).
+LOGPROBS = [dict(max_new_tokens=12, logprobs=2),
+            dict(max_new_tokens=9, temperature=1.0, seed=3, logprobs=0),
+            dict(max_new_tokens=10)]
 
 
 def main() -> int:
@@ -111,6 +116,11 @@ def main() -> int:
                   for s in SAMPLED_SEEDS]
             out["sampled_ssd"] = [o.token_ids for o in llm.generate(PROMPTS, ps, mode="ssd",
                                                                     chat=False)]
+            # Log-probabilities from the pod's target (across processes where it is TP).
+            res = llm.generate(PROMPTS, [SamplingParams(ignore_eos=True, **kw)
+                                         for kw in LOGPROBS], mode="ssd", chat=False)
+            out["logprobs"] = [[o.token_ids, o.logprobs and [sorted(d.items())
+                                                             for d in o.logprobs]] for o in res]
         if args.auto:
             res = llm.generate(PROMPTS, greedy, mode="ssd", chat=False, spec=SpecConfig())
             out["auto"] = [o.token_ids for o in res]
@@ -158,6 +168,12 @@ def serve(llm) -> dict:
     got = {"sampled": complete(prompt, n, temperature=1.0, seed=seed)}
     with ThreadPoolExecutor(len(SERVE_GREEDY)) as pool:
         got["greedy"] = list(pool.map(lambda pn: complete(*pn, temperature=0.0), SERVE_GREEDY))
+    r = client.completions.create(model="tiny", prompt=SERVE_GREEDY[0][0],
+                                  max_tokens=SERVE_GREEDY[0][1], temperature=0.0, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    got["logprobs"] = dict(text=r.choices[0].text, chosen=lp.token_logprobs,
+                           top=[sorted(t.values(), reverse=True) for t in lp.top_logprobs])
     uv.should_exit = True
     thread.join(60)
     got["stopped"] = not server.scheduler._thread.is_alive()

@@ -6,12 +6,12 @@ import collections
 
 import numpy as np
 import pytest
-import torch
 
 from ssd_jax import LLM, EngineConfig, SamplingParams
 from ssd_jax.config import SpecConfig
 from ssd_jax.loading import load
 from tests.conftest import save_noisy_draft
+from tests.oracles import token_logprobs
 
 PROMPTS = [[5, 9, 11], list(range(20, 39)), [7] * 8, [3, 1, 4, 1, 5, 9, 2, 6], [100, 2, 60]]
 TOP = 3
@@ -60,14 +60,6 @@ def _drive(live, requests, logprobs):
     return [toks[i] for i in range(len(requests))], lps
 
 
-def _oracle(hf, prompt, tokens):
-    """transformers' log_softmax at the positions that predicted each token."""
-    ids = torch.tensor([prompt + tokens[:-1]])
-    with torch.no_grad():
-        logits = hf(ids).logits[0, len(prompt) - 1:].double()
-    return torch.log_softmax(logits, -1).numpy()
-
-
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
 def test_logprobs_equal_a_plain_forward_and_change_no_token(pair, mode):
     target, draft, hf, _, _ = pair
@@ -82,7 +74,7 @@ def test_logprobs_equal_a_plain_forward_and_change_no_token(pair, mode):
     greedy = [i for i, (_, p) in enumerate(reqs) if p.temperature == 0]
     assert [toks[i] for i in greedy] == [want[i] for i in greedy]
     for i in (0, 1, 3):
-        ref = _oracle(hf, reqs[i][0], toks[i])
+        ref = token_logprobs(hf, reqs[i][0], toks[i])
         assert len(lps[i]) == len(toks[i])
         for pos, (tok, (chosen, top_ids, top)) in enumerate(zip(toks[i], lps[i])):
             np.testing.assert_allclose(chosen, ref[pos, tok], atol=2e-4)
@@ -109,7 +101,7 @@ def _check_offline(out, reqs, hf):
         if p.logprobs is None:
             assert o.logprobs is None
             continue
-        ref = _oracle(hf, ids, o.token_ids)
+        ref = token_logprobs(hf, ids, o.token_ids)
         assert len(o.logprobs) == len(o.token_ids)
         for pos, (tok, lp) in enumerate(zip(o.token_ids, o.logprobs)):
             order = [int(t) for t in np.argsort(-ref[pos])[:p.logprobs]]

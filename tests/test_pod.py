@@ -8,8 +8,9 @@ Layouts:
   4 processes x 2 devices  target TP-4 across processes 0 and 1; plan_split gives the draft
                            the last whole host (process 3, TP-2), process 2 holds nothing: a
                            spare host in the job, which must follow and end with the rest.
-Each job also chooses automatic settings on the pod and, last, serves the OpenAI API from its
-lead (tests/pod_job.py --serve), queried with the official client.
+Each job also chooses automatic settings on the pod, returns log-probabilities from its target
+(checked against transformers' forward), and, last, serves the OpenAI API from its lead
+(tests/pod_job.py --serve), queried with the official client.
 """
 from __future__ import annotations
 
@@ -21,13 +22,15 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ssd_jax import LLM, EngineConfig, SamplingParams
 from ssd_jax.config import SpecConfig
 from tests.conftest import save_noisy_draft, with_word_tokenizer
-from tests.pod_job import (PROMPTS, SAMPLED_SEEDS, SECOND, SERVE_GREEDY, SERVE_SAMPLED,
-                           SERVE_SLOTS)
+from tests.oracles import token_logprobs
+from tests.pod_job import (LOGPROBS, PROMPTS, SAMPLED_SEEDS, SECOND, SERVE_GREEDY,
+                           SERVE_SAMPLED, SERVE_SLOTS)
 
 JOB = str(Path(__file__).with_name("pod_job.py"))
 JOB_TIMEOUT_S = 480  # a job took 60-110 s in 12 runs on the 2-core dev VM
@@ -46,15 +49,16 @@ def pair(tiny_llama, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def oracle(pair):
-    """What one process on one device gives: AR greedy, and sampled SSD for the seeds."""
+def oracle(pair, tiny_llama):
+    """What one process on one device gives: AR greedy, and sampled SSD for the seeds; and
+    transformers' model of the target (`hf`), for log-probabilities."""
     target, draft = pair
     ar = LLM(target, progress=False)
     llm = LLM(target, draft=draft, spec=SpecConfig(k=3, budget=8), progress=False,
               engine=EngineConfig(max_batch=4, max_seq_len=256, prefill_bucket=16,
                                   driver="single"))
     return dict(
-        served=_served_oracle(ar, llm),
+        hf=tiny_llama[1], served=_served_oracle(ar, llm),
         ar=[o.token_ids for o in ar.generate(PROMPTS, GREEDY, mode="ar", chat=False)],
         second=[o.token_ids for o in ar.generate(SECOND, GREEDY, mode="ar", chat=False)],
         sampled_ssd=[o.token_ids for o in llm.generate(PROMPTS, SAMPLED, mode="ssd",
@@ -130,6 +134,35 @@ def _check(got: dict, oracle: dict) -> None:
     assert served["greedy"] == oracle["served"]["greedy"]
     assert served["sampled"] == oracle["served"]["sampled"]
     assert served["stopped"]  # the server's shutdown stopped its decode thread
+    _check_logprobs(got, oracle)
+
+
+def _check_logprobs(got: dict, oracle: dict) -> None:
+    """The pod's log-probabilities, offline and served, against transformers' forward."""
+    hf = oracle["hf"]
+    for prompt, kw, (tokens, lps) in zip(PROMPTS, LOGPROBS, got["logprobs"]):
+        assert len(tokens) == kw["max_new_tokens"]
+        if kw.get("logprobs") is None:
+            assert lps is None
+            continue
+        if kw.get("temperature", 0) == 0:
+            assert tokens == oracle["ar"][PROMPTS.index(prompt)][:len(tokens)]
+        ref = token_logprobs(hf, prompt, tokens)
+        assert len(lps) == len(tokens)
+        for pos, (tok, pairs) in enumerate(zip(tokens, lps)):
+            top = [int(t) for t in np.argsort(-ref[pos])[:kw["logprobs"]]]
+            assert sorted(t for t, _ in pairs) == sorted(set(top) | {tok}), pos
+            np.testing.assert_allclose([v for _, v in pairs], ref[pos, [t for t, _ in pairs]],
+                                       atol=2e-4)
+    served = got["served"]["logprobs"]
+    prompt, n = SERVE_GREEDY[0]
+    assert served["text"] == oracle["served"]["greedy"][0]
+    words = lambda text: [int(w[1:]) for w in text.split()]  # noqa: E731 ("w<id>" tokens)
+    tokens = words(served["text"])
+    ref = token_logprobs(hf, words(prompt), tokens)
+    assert len(tokens) == n == len(served["chosen"])
+    np.testing.assert_allclose(served["chosen"], ref[np.arange(n), tokens], atol=2e-4)
+    np.testing.assert_allclose(served["top"], -np.sort(-ref, axis=1)[:, :2], atol=2e-4)
 
 
 def test_three_processes_target_tp2_across_two(pair, oracle, tmp_path):

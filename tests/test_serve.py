@@ -164,7 +164,9 @@ def test_disconnect_frees_the_row_and_bad_requests_are_400(served):
     for payload, status, needle in [
             (b"{not json", 400, "not valid JSON"),
             (json.dumps({"model": "gpt-4", "prompt": "x"}).encode(), 404, "does not exist"),
-            (json.dumps({"model": MODEL, "prompt": "x", "n": 2}).encode(), 400, "'n'=2"),
+            (json.dumps({"model": MODEL, "prompt": "x", "best_of": 2}).encode(), 400,
+             "'best_of'=2"),
+            (json.dumps({"model": MODEL, "prompt": "x", "n": 9}).encode(), 400, "'n'=9"),
             (json.dumps({"model": MODEL, "prompt": "x", "temperature": -1}).encode(), 400,
              "'temperature'=-1"),
             (json.dumps({"model": MODEL, "prompt": "x", "logprobs": 21}).encode(), 400,
@@ -245,6 +247,66 @@ def test_logprobs_with_the_openai_client(served):
         server.max_logprobs = keep
 
 
+def test_n_choices_are_rows_of_their_own(served):
+    """n > 1: one response with n choices, each decoded as a row of its own. Greedy choices
+    equal offline greedy; sampled choice i equals offline SSD generate with the request's seed
+    derived for i (choice 0 keeps the seed itself), streamed or not; usage counts them all."""
+    from ssd_jax import SamplingParams
+    from ssd_jax.serve.protocol import choices_of
+    server, url, want = served
+    client = _client(url)
+    text, n, used = want["long", PROMPTS[4]]
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[4]}], max_tokens=n,
+        temperature=0, n=2, extra_body={"ignore_eos": True})
+    assert [(c.index, c.message.content) for c in r.choices] == [(0, text), (1, text)]
+    assert r.usage.completion_tokens == 2 * n
+    assert r.model_extra["speculation"]["rounds"] >= 2
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": PROMPTS[5]}], max_tokens=8,
+              temperature=0.9, seed=11, n=3, extra_body={"ignore_eos": True})
+    job = parse("chat", {k: v for k, v in kw.items() if k != "extra_body"}, model_name=MODEL,
+                encode=server.encode)
+    seeds = [j.params.seed for j in choices_of(job)]
+    assert seeds[0] == 11 and len(set(seeds)) == 3
+    offline = [server.llm.generate(PROMPTS[5], SamplingParams(
+        max_new_tokens=8, temperature=0.9, seed=s, ignore_eos=True), mode="ssd",
+        chat=True)[0].text for s in seeds]
+    assert len(set(offline)) > 1  # the choices are different draws
+    r = client.chat.completions.create(**kw)
+    assert [c.message.content for c in sorted(r.choices, key=lambda c: c.index)] == offline
+    assert r.usage.completion_tokens == 24
+    chunks = list(client.chat.completions.create(stream=True, stream_options={
+        "include_usage": True}, **kw))
+    streamed = ["", "", ""]
+    for c in chunks:
+        for ch in c.choices:
+            streamed[ch.index] += ch.delta.content or ""
+    assert streamed == offline and chunks[-1].usage.completion_tokens == 24
+    assert sorted(ch.index for c in chunks for ch in c.choices if ch.finish_reason) == [0, 1, 2]
+
+
+def test_stop_token_ids_end_the_answer(served):
+    """vLLM's stop_token_ids: the answer ends at the first of them (included, as offline
+    generate includes a stop token), finish_reason "stop"; ids past the vocabulary are a 400."""
+    import httpx
+    from ssd_jax import SamplingParams
+    server, url, want = served
+    p = PROMPTS[3]
+    _, n, _ = want["long", p]
+    ids = server.llm.generate(p, SamplingParams(max_new_tokens=n, ignore_eos=True), mode="ar",
+                              chat=False)[0].token_ids
+    stop = ids[5]
+    cut = ids[:ids.index(stop) + 1]
+    r = _client(url).completions.create(model=MODEL, prompt=p, max_tokens=n, temperature=0,
+                                        extra_body={"stop_token_ids": [stop]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == len(cut)
+    assert r.choices[0].text == server.llm.prompts.text(cut)
+    for bad in ([10**7], [-1], "2"):
+        r = httpx.post(url + "/v1/completions", timeout=30, json={
+            "model": MODEL, "prompt": p, "max_tokens": 2, "stop_token_ids": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text
+
+
 def test_requests_without_max_tokens_get_the_context_left(served):
     """As vLLM's and llama.cpp's servers: no max_tokens means up to the end of the context;
     a prompt that leaves no room is a 400 on the prompt, in the server's own terms."""
@@ -322,7 +384,8 @@ def test_protocol_refuses_what_it_does_not_support():
         parse("chat", {"model": "m", "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "x"}}]}]}, model_name="m", encode=enc)
     assert e.value.param == "messages"
-    for bad, field in [({"top_p": 0}, "top_p"), ({"top_k": 2**40}, "top_k")]:
+    for bad, field in [({"top_p": 0}, "top_p"), ({"top_k": 2**40}, "top_k"), ({"n": 0}, "n"),
+                       ({"n": 1.5}, "n")]:
         with pytest.raises(APIError) as e:
             parse("completion", {"model": "m", "prompt": "x", **bad}, model_name="m",
                   encode=enc)

@@ -27,10 +27,17 @@ def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
+def _cancel(reqs: list) -> None:
+    for req in reqs:
+        req.cancel()
+
+
 def build_app(server) -> Starlette:
     """`server`: a serve.server.Server (model name, encode, stop ids, scheduler, metrics)."""
 
     async def submit(kind: str, http: HTTPRequest):
+        """Parse, check and queue a request: its choices' Requests (one per `n`) and the one
+        queue their events arrive on as (choice index, event); or an error response."""
         try:
             try:
                 body = json.loads(await http.body())
@@ -41,13 +48,16 @@ def build_app(server) -> Starlette:
         except APIError as e:
             return None, None, _error(e)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        req = Request(job, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-                      server.stop_ids(job.params))
+
+        def pusher(i: int):
+            return lambda ev: loop.call_soon_threadsafe(events.put_nowait, (i, ev))
+        reqs = [Request(j, pusher(j.index), server.stop_ids(j.params))
+                for j in protocol.choices_of(job)]
         try:
-            server.scheduler.submit(req)
+            server.scheduler.submit(*reqs)
         except APIError as e:
             return None, None, _error(e)
-        return req, events, None
+        return reqs, events, None
 
     async def completions(http: HTTPRequest):
         return await handle("completion", http)
@@ -56,67 +66,78 @@ def build_app(server) -> Starlette:
         return await handle("chat", http)
 
     async def handle(kind: str, http: HTTPRequest):
-        req, events, error = await submit(kind, http)
+        reqs, events, error = await submit(kind, http)
         if error is not None:
             return error
-        if req.job.stream:
-            return StreamingResponse(stream(req, events), media_type="text/event-stream")
-        text, entries, asked = [], [], [time.monotonic()]
+        if reqs[0].job.stream:
+            return StreamingResponse(stream(reqs, events), media_type="text/event-stream")
+        n = len(reqs)
+        text, entries, last = [[] for _ in reqs], [[] for _ in reqs], [None] * n
+        asked = [time.monotonic()]
         try:
-            while True:
-                ev = await next_event(req, events, http, asked)
-                if ev is None:  # the client went away: its row is freed at the next round
+            while None in last:
+                got = await next_event(reqs, events, http, asked)
+                if got is None:  # the client went away: its rows are freed at the next round
                     return Response(status_code=499)
+                i, ev = got
                 if ev[0] == "delta":
-                    text.append(ev[1])
-                    entries += ev[2]
+                    text[i].append(ev[1])
+                    entries[i] += ev[2]
                     continue
-                break
+                last[i] = ev
+                if ev[0] == "error":
+                    _cancel(reqs)
+                    return _error(APIError(500, ev[1], kind="server_error"))
         except asyncio.CancelledError:
-            req.cancel()
+            _cancel(reqs)
             raise
-        if ev[0] == "error":
-            return _error(APIError(500, ev[1], kind="server_error"))
-        _, reason, n_tokens, spec, rest = ev
-        job = req.job
-        lp = protocol.logprobs_object(job, entries + rest, server.piece)
+        choices = []
+        for req, t, e, (_, reason, _, _, rest) in zip(reqs, text, entries, last):
+            lp = protocol.logprobs_object(req.job, e + rest, server.piece)
+            choices.append(protocol.choice(req.job, "".join(t), reason, delta=False,
+                                           logprobs=lp))
         return JSONResponse(protocol.envelope(
-            job, [protocol.choice(job, "".join(text), reason, delta=False, logprobs=lp)],
-            chunk=False, usage=protocol.usage(len(job.prompt_ids), n_tokens), speculation=spec))
+            reqs[0].job, choices, chunk=False,
+            usage=protocol.usage(len(reqs[0].job.prompt_ids), sum(ev[2] for ev in last)),
+            speculation=protocol.merged_speculation([ev[3] for ev in last])))
 
-    async def next_event(req: Request, events: asyncio.Queue, http: HTTPRequest, asked: list):
-        """The next event for a non-streamed request, or None once its client has gone (a
-        plain response only learns that by asking, every DISCONNECT_POLL_S: nothing is
+    async def next_event(reqs: list, events: asyncio.Queue, http: HTTPRequest, asked: list):
+        """The next (choice, event) for a non-streamed request, or None once its client has
+        gone (a plain response only learns that by asking, every DISCONNECT_POLL_S: nothing is
         written until the end, and deltas arrive every round). `asked`: [when it last asked]."""
         while True:
             if time.monotonic() - asked[0] >= DISCONNECT_POLL_S:
                 asked[0] = time.monotonic()
                 if await http.is_disconnected():
-                    req.cancel()
+                    _cancel(reqs)
                     return None
             try:
                 return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
                 pass
 
-    async def stream(req: Request, events: asyncio.Queue):
-        job = req.job
+    async def stream(reqs: list, events: asyncio.Queue):
+        """Server-sent events: each chunk carries one choice's delta, tagged with its index;
+        the usage chunk (when asked for) follows the last choice's end."""
+        job = reqs[0].job
 
         def sse(obj) -> str:
             return f"data: {json.dumps(obj)}\n\n"
 
         try:
             if job.kind == "chat":  # the role comes first, as OpenAI's streams do
-                yield sse(protocol.envelope(job, [dict(index=0, delta={"role": "assistant",
-                                                                       "content": ""},
-                                                       logprobs=None, finish_reason=None)],
-                                            chunk=True))
-            while True:
-                ev = await events.get()
+                for req in reqs:
+                    yield sse(protocol.envelope(job, [dict(
+                        index=req.job.index, delta={"role": "assistant", "content": ""},
+                        logprobs=None, finish_reason=None)], chunk=True))
+            left, tokens = len(reqs), 0
+            while left:
+                i, ev = await events.get()
+                j = reqs[i].job
                 if ev[0] == "delta":
-                    choice = protocol.choice(job, ev[1], None, delta=True, logprobs=(
-                        protocol.logprobs_object(job, ev[2], server.piece)))
-                    if job.kind == "chat":
+                    choice = protocol.choice(j, ev[1], None, delta=True, logprobs=(
+                        protocol.logprobs_object(j, ev[2], server.piece)))
+                    if j.kind == "chat":
                         choice["delta"] = {"content": ev[1]}
                     yield sse(protocol.envelope(job, [choice], chunk=True))
                     continue
@@ -124,17 +145,17 @@ def build_app(server) -> Starlette:
                     yield sse(APIError(500, ev[1], kind="server_error").body())
                     break
                 _, reason, n_tokens, spec, rest = ev
-                last = protocol.choice(job, None if job.kind == "chat" else "", reason,
+                last = protocol.choice(j, None if j.kind == "chat" else "", reason,
                                        delta=True, logprobs=(
-                                           protocol.logprobs_object(job, rest, server.piece)))
+                                           protocol.logprobs_object(j, rest, server.piece)))
                 yield sse(protocol.envelope(job, [last], chunk=True, speculation=spec))
-                if job.include_usage:
-                    yield sse(protocol.envelope(job, [], chunk=True, usage=protocol.usage(
-                        len(job.prompt_ids), n_tokens)))
-                break
+                left, tokens = left - 1, tokens + n_tokens
+            if not left and job.include_usage:
+                yield sse(protocol.envelope(job, [], chunk=True, usage=protocol.usage(
+                    len(job.prompt_ids), tokens)))
             yield "data: [DONE]\n\n"
         finally:
-            req.cancel()  # a client that went away frees its slot; after "done" a no-op
+            _cancel(reqs)  # a client that went away frees its slots; after "done" a no-op
 
     async def models(_: HTTPRequest):
         return JSONResponse({"object": "list", "data": [dict(

@@ -2,14 +2,18 @@
 
 A request becomes a `Job` (prompt token ids, SamplingParams, stop strings, streaming flags,
 log-probabilities asked for) or an `APIError` naming the field and the fix: fields the engine
-does not support (n > 1, echo, tools, penalties ...) are refused, never silently ignored. Purely informational
-fields (user, metadata) are accepted. Extensions, as in vLLM: `top_k`, `ignore_eos`.
+does not support (best_of, echo, tools, penalties ...) are refused, never silently ignored. Purely
+informational fields (user, metadata) are accepted. Extensions, as in vLLM: `top_k`, `ignore_eos`,
+`stop_token_ids`.
+
+`n` > 1 asks for several choices from one prompt: `choices_of` makes one job per choice, each a
+row of its own (sampled independently, as n requests would be), answered as one response.
 """
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ssd_jax.config import MAX_LOGPROBS, SamplingParams
 
@@ -44,19 +48,21 @@ class Job:
     # chosen token's alone). Completions' `logprobs: N`; chat's `logprobs: true` +
     # `top_logprobs: N`.
     logprobs: int | None = None
+    n: int = 1  # choices asked for; `choices_of` splits them into one job each
+    index: int = 0  # this job's choice index in its response
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-          "ignore_eos",
+          "ignore_eos", "stop_token_ids",
           "stream_options", "n", "user", "metadata", "logprobs", "presence_penalty",
           "frequency_penalty", "logit_bias"}
 FIELDS = {"completion": COMMON | {"prompt", "echo", "best_of", "suffix"},
           "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                             "tool_choice", "parallel_tool_calls", "response_format"}}
 # Fields whose only supported value is "off": (field, the values that mean off).
-OFF = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False),
+OFF = {"best_of": (None, 1), "echo": (None, False),
        "presence_penalty": (None, 0, 0.0),
        "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "suffix": (None, ""),
        "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
@@ -175,13 +181,35 @@ def parse(kind: str, body, *, model_name: str, encode) -> Job:
             top_p=_number(body, "top_p", float, 1.0, 0.0, 1.0),
             top_k=_number(body, "top_k", int, 0, 0),
             max_new_tokens=max_tokens if given else 1, seed=None if seed is None else seed % 2**32,
-            ignore_eos=_flag(body, "ignore_eos"))
+            ignore_eos=_flag(body, "ignore_eos"), stop_token_ids=_token_ids(body))
     except ValueError as e:
         msg = str(e).splitlines()[0]
         raise APIError(400, msg, next((f for f in ("top_k", "top_p", "temperature")
                                        if msg.startswith(f + "=")), None))
     return Job(kind, model, ids, params, _stop(body), stream,
-               bool(stream_options.get("include_usage")), given, logprobs=_logprobs(kind, body))
+               bool(stream_options.get("include_usage")), given, logprobs=_logprobs(kind, body),
+               n=_number(body, "n", int, 1, 1))
+
+
+def choices_of(job: Job) -> list[Job]:
+    """One job per choice of an `n` > 1 request: the same prompt and settings, index i, and
+    seed i of the request's (choice 0 keeps the request's own seed, so n=1 and choice 0 of
+    n=2 make the same text). Greedy choices are equal, as OpenAI's and vLLM's are."""
+    seed = job.params.seed
+    return [job if i == 0 else replace(
+        job, index=i, params=replace(job.params, seed=None if seed is None else
+                                     (seed + i * 0x9E3779B9) % 2**32))
+        for i in range(job.n)]
+
+
+def _token_ids(body: dict) -> tuple[int, ...]:
+    """vLLM's `stop_token_ids`: token ids that end the answer as its end-of-text would."""
+    ids = body.get("stop_token_ids") or []
+    if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                          and t >= 0 for t in ids)):
+        raise APIError(400, f"'stop_token_ids' must be a list of token ids (non-negative "
+                            f"integers), got {ids!r}", "stop_token_ids")
+    return tuple(ids)
 
 
 def _logprobs(kind: str, body: dict) -> int | None:
@@ -206,13 +234,31 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def choice(job: Job, text: str | None, finish_reason: str | None, delta: bool,
            logprobs: dict | None = None) -> dict:
+    i = job.index
     if job.kind == "completion":
-        return dict(index=0, text=text or "", logprobs=logprobs, finish_reason=finish_reason)
+        return dict(index=i, text=text or "", logprobs=logprobs, finish_reason=finish_reason)
     if delta:
-        return dict(index=0, delta={} if text is None else {"role": "assistant", "content": text},
+        return dict(index=i, delta={} if text is None else {"role": "assistant", "content": text},
                     logprobs=logprobs, finish_reason=finish_reason)
-    return dict(index=0, message={"role": "assistant", "content": text}, logprobs=logprobs,
+    return dict(index=i, message={"role": "assistant", "content": text}, logprobs=logprobs,
                 finish_reason=finish_reason)
+
+
+def merged_speculation(specs: list[dict]) -> dict:
+    """One response's speculation statistics over its choices' rows (Scheduler.speculation's
+    keys): counts add up, rates are over all rounds."""
+    if len(specs) == 1:
+        return specs[0]
+    out = dict(specs[0], rounds=sum(s["rounds"] for s in specs))
+    rounds = max(out["rounds"], 1)
+    for key in ("drafted_tokens", "accepted_tokens", "backup_rounds"):
+        if key in out:
+            out[key] = sum(s[key] for s in specs)
+    if "accepted_tokens" in out:
+        out["mean_accepted_length"] = out["accepted_tokens"] / rounds
+    if "backup_rounds" in out:
+        out["cache_hit_rate"] = (out["rounds"] - out["backup_rounds"]) / rounds
+    return out
 
 
 def logprobs_object(job: Job, entries: list, piece) -> dict | None:

@@ -107,16 +107,17 @@ class Scheduler:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, req: Request) -> None:
+    def submit(self, *reqs: Request) -> None:
+        """Queue `reqs` (the choices of one response) all together, or none of them."""
         with self._cond:
             if self._stop or self.error is not None:
                 raise APIError(503, "the server is shutting down or its decode loop failed",
                                kind="server_error")
-            if len(self.pending) >= self.max_queue:
+            if len(self.pending) + len(reqs) > self.max_queue:
                 raise APIError(429, f"the queue is full ({self.max_queue} requests wait for a "
                                     "slot): retry later", kind="rate_limit_error")
-            self.pending.append(req)
-            self.open.add(req)
+            self.pending.extend(reqs)
+            self.open.update(reqs)
             self._gauge()
             self._cond.notify()
 

@@ -94,13 +94,17 @@ class Server:
         return set(self.llm.prompts.stop_ids(p))
 
     def check_fits(self, job: Job) -> None:
-        """Refuse what cannot fit the context or the batch's rows; give an unseeded sampled
+        """Refuse what cannot fit the context, the batch's rows or the queue; give an unseeded
         request its own seed (rows sample independently, as offline) and one without
         max_tokens the context left after its prompt. Everything a row's join could refuse is
         refused here, before the request is queued: an error inside the decode thread would
         reach the request late, and its neighbours not at all."""
         if job.params.seed is None:
             job.params = replace(job.params, seed=int(self._seeds.integers(2**32)))
+        if job.n > self.scheduler.max_queue:
+            raise APIError(400, f"'n'={job.n} is more choices than this server queues at once "
+                                f"({self.scheduler.max_queue}): ask for fewer, or start it "
+                                "with a larger --max-queue", "n")
         if job.logprobs is not None and job.logprobs > self.max_logprobs:
             name = "logprobs" if job.kind == "completion" else "top_logprobs"
             raise APIError(400, f"'{name}'={job.logprobs} is more than this server returns "
@@ -108,6 +112,10 @@ class Server:
                                    "probabilities)" if self.max_logprobs < 0 else
                                    f"({self.max_logprobs}): ask for fewer, or start it with a "
                                    "larger --max-logprobs"), name)
+        vocab = self.llm.config.vocab_size
+        if any(t >= vocab for t in job.params.stop_token_ids):
+            raise APIError(400, f"'stop_token_ids' holds ids past the vocabulary ({vocab} "
+                                "tokens): give ids below that", "stop_token_ids")
         cfg, k = self.llm.engine, self.spec.k or 0
         limit, slack = context_room(cfg, self.llm.config.max_position_embeddings, self.mode, k)
         field = "messages" if job.kind == "chat" else "prompt"
