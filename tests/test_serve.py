@@ -441,9 +441,12 @@ def test_ctrl_c_while_the_server_loads_is_one_line():
     import signal
     import subprocess
     import sys
+    # A parallel test run's workers ignore SIGINT, and a child inherits that (Python then
+    # installs no handler of its own): the server gets the default disposition, as from a shell.
     proc = subprocess.Popen([sys.executable, "-m", "ssd_jax.serve", "--model", MODEL,
                              "--mode", "ar", "--slots", "1", "--port", "0"],
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         seen = []  # up to the warm-up's first line: the round compiles for seconds after it
         for line in proc.stderr:
