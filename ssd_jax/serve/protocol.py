@@ -192,13 +192,13 @@ def parse(kind: str, body, *, model_name: str, encode) -> Job:
 
 
 def choices_of(job: Job) -> list[Job]:
-    """One job per choice of an `n` > 1 request: the same prompt and settings, index i, and
-    seed i of the request's (choice 0 keeps the request's own seed, so n=1 and choice 0 of
-    n=2 make the same text). Greedy choices are equal, as OpenAI's and vLLM's are."""
+    """One job per choice of a checked request (Server.check_fits gave it a seed): the same
+    prompt and settings, index i, and seed i of the request's (choice 0 keeps the request's own
+    seed, so n=1 and choice 0 of n=2 make the same text). Greedy choices are equal, as OpenAI's
+    and vLLM's are."""
     seed = job.params.seed
     return [job if i == 0 else replace(
-        job, index=i, params=replace(job.params, seed=None if seed is None else
-                                     (seed + i * 0x9E3779B9) % 2**32))
+        job, index=i, params=replace(job.params, seed=(seed + i * 0x9E3779B9) % 2**32))
         for i in range(job.n)]
 
 
