@@ -96,6 +96,31 @@ def test_sampled_tokens_are_the_same_with_or_without_logprobs(pair):
     assert asked == plain
 
 
+@pytest.mark.parametrize("mode", ["ar", "ssd"])
+def test_prompt_logprobs_equal_a_plain_forward(pair, mode):
+    """A join with prompt_logprobs (the server's echo): position t scores prompt token t + 1,
+    the last the first token; the row then decodes as it would have without them."""
+    target, draft, hf, _, _ = pair
+    llm = _llm(target, draft, rows=2)
+    ids, p = PROMPTS[1], SamplingParams(max_new_tokens=8, ignore_eos=True)
+    want = llm.generate([ids], p, mode=mode)[0].token_ids
+    live, _ = llm.core.live(mode, 2, llm.spec)
+    first, lp = live.join(1, ids, p, [], TOP, prompt_logprobs=True)
+    T = len(ids)
+    assert lp.chosen.shape[:2] == (1, 32) and first == want[0]  # the prefill bucket's length
+    ref = token_logprobs(hf, ids[:1], ids[1:] + [first])  # predicts ids[1], ..., first
+    for pos, tok in enumerate(ids[1:] + [first]):
+        np.testing.assert_allclose(lp.chosen[0, pos], ref[pos, tok], atol=2e-4)
+        order = np.argsort(-ref[pos])[:TOP]
+        assert list(lp.top_ids[0, pos]) == list(order), pos
+        np.testing.assert_allclose(lp.top[0, pos], ref[pos, order], atol=2e-4)
+    toks = [first]
+    while len(toks) < len(want):
+        out, _, _, _ = live.step()
+        toks += [int(t) for t in out[1] if t >= 0]
+    assert toks[:len(want)] == want
+
+
 def _check_offline(out, reqs, hf):
     for o, (ids, p) in zip(out, reqs):
         if p.logprobs is None:

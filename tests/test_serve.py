@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from ssd_jax.serve.protocol import APIError, parse
@@ -235,9 +236,9 @@ def test_logprobs_with_the_openai_client(served):
         with pytest.raises(APIError) as e:
             parse(kind, {"model": MODEL, **body}, model_name=MODEL, encode=server.encode)
         assert needle in e.value.message
-    job = parse("chat", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                         "logprobs": True, "top_logprobs": 3}, model_name=MODEL,
-                encode=server.encode)
+    job, = parse("chat", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                          "logprobs": True, "top_logprobs": 3}, model_name=MODEL,
+                 encode=server.encode)
     server.max_logprobs, keep = 2, server.max_logprobs
     try:
         with pytest.raises(APIError) as e:
@@ -245,6 +246,77 @@ def test_logprobs_with_the_openai_client(served):
         assert "--max-logprobs" in e.value.message and e.value.param == "top_logprobs"
     finally:
         server.max_logprobs = keep
+
+
+def test_echo_and_prompt_logprobs_as_lm_eval_asks(served):
+    """Completions' echo: the prompt ahead of the answer and, with logprobs, the prompt's own
+    log-probabilities (None for its first token), as lm-evaluation-harness's log-likelihood
+    requests ask (token-id prompts, echo, logprobs 1, max_tokens 1; or 0). An answer's tokens
+    echoed back score as they scored while they were decoded: the prefill's program against
+    the SSD rounds'."""
+    import httpx
+    from ssd_jax import SamplingParams
+    server, url, _ = served
+    client, prompts = _client(url), server.llm.prompts
+    p = PROMPTS[6]
+    r = client.completions.create(model=MODEL, prompt=p, max_tokens=10, temperature=0,
+                                  logprobs=1, extra_body={"ignore_eos": True})
+    answer = server.llm.generate(p, SamplingParams(max_new_tokens=10, ignore_eos=True),
+                                 mode="ar", chat=False)[0].token_ids
+    assert r.choices[0].text == prompts.text(answer)
+    ctx = prompts.encode(p, chat=False)
+    whole = ctx + answer
+    e = client.completions.create(model=MODEL, prompt=[whole], echo=True, logprobs=1,
+                                  max_tokens=0, temperature=0)
+    lp = e.choices[0].logprobs
+    assert e.choices[0].text == prompts.text(whole) and e.choices[0].finish_reason == "length"
+    assert (e.usage.prompt_tokens, e.usage.completion_tokens) == (len(whole), 0)
+    assert len(lp.tokens) == len(whole) and "".join(lp.tokens) == prompts.text(whole)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(whole))]
+    np.testing.assert_allclose(lp.token_logprobs[len(ctx):], r.choices[0].logprobs.token_logprobs,
+                               atol=1e-4)
+    # lm-eval's reading: the continuation's sum, and whether each token was the greedy one.
+    assert all(v == max(top.values()) for v, top in zip(lp.token_logprobs[len(ctx):],
+                                                        lp.top_logprobs[len(ctx):]))
+    # max_tokens 1 (lm-eval's request): the prompt's entries, then the answer's first token.
+    one = client.completions.create(model=MODEL, prompt=[ctx], echo=True, logprobs=1,
+                                    max_tokens=1, temperature=0).choices[0]
+    assert one.text == prompts.text(ctx + answer[:1]) and len(one.logprobs.tokens) == len(ctx) + 1
+    np.testing.assert_allclose(one.logprobs.token_logprobs[1:], lp.token_logprobs[1:len(ctx) + 1],
+                               atol=1e-4)
+    # Streamed: the prompt is the first delta; without logprobs, echo is the text alone.
+    chunks = list(client.completions.create(model=MODEL, prompt=p, echo=True, max_tokens=10,
+                                            temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].text == p
+    assert "".join(c.choices[0].text for c in chunks) == p + r.choices[0].text
+    for body, field in [({"prompt": p, "max_tokens": 0}, "max_tokens"),
+                        ({"messages": [{"role": "user", "content": p}], "echo": True}, "echo")]:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        bad = httpx.post(url + path, timeout=30, json={"model": MODEL, **body})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == field, bad.text
+
+
+def test_several_prompts_in_one_request(served):
+    """A completions prompt that is a list of prompts (strings or token-id lists): one choice
+    per prompt and n, index p * n + i, each its own row; usage counts each prompt once."""
+    server, url, want = served
+    client = _client(url)
+    a, b = PROMPTS[0], PROMPTS[2]
+    r = client.completions.create(model=MODEL, prompt=[a, server.llm.prompts.encode(b, chat=False)],
+                                  max_tokens=12, temperature=0, n=2,
+                                  extra_body={"ignore_eos": True})
+    alone = [client.completions.create(model=MODEL, prompt=q, max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True}) for q in (a, b)]
+    texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    assert texts == [alone[0].choices[0].text] * 2 + [alone[1].choices[0].text] * 2
+    assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens + alone[1].usage.prompt_tokens
+    assert r.usage.completion_tokens == 48
+    with pytest.raises(APIError) as e:  # 3 prompts x 3 choices: more than the queue of 8
+        server.check_request(parse("completion", {"model": MODEL, "prompt": [a] * 3, "n": 3},
+                                   model_name=MODEL, encode=server.encode))
+    assert e.value.param == "prompt" and "--max-queue" in e.value.message
 
 
 def test_n_choices_are_rows_of_their_own(served):
@@ -263,8 +335,8 @@ def test_n_choices_are_rows_of_their_own(served):
     assert r.model_extra["speculation"]["rounds"] >= 2
     kw = dict(model=MODEL, messages=[{"role": "user", "content": PROMPTS[5]}], max_tokens=8,
               temperature=0.9, seed=11, n=3, extra_body={"ignore_eos": True})
-    job = parse("chat", {k: v for k, v in kw.items() if k != "extra_body"}, model_name=MODEL,
-                encode=server.encode)
+    job, = parse("chat", {k: v for k, v in kw.items() if k != "extra_body"}, model_name=MODEL,
+                 encode=server.encode)
     seeds = [j.params.seed for j in choices_of(job)]
     assert seeds[0] == 11 and len(set(seeds)) == 3
     # A sampled row's draws are a function of its seed alone (whatever runs beside it:
@@ -311,18 +383,18 @@ def test_requests_without_max_tokens_get_the_context_left(served):
     """As vLLM's and llama.cpp's servers: no max_tokens means up to the end of the context;
     a prompt that leaves no room is a 400 on the prompt, in the server's own terms."""
     server, _, _ = served
-    job = parse("completion", {"model": MODEL, "prompt": PROMPTS[0]}, model_name=MODEL,
-                encode=server.encode)
+    job, = parse("completion", {"model": MODEL, "prompt": PROMPTS[0]}, model_name=MODEL,
+                 encode=server.encode)
     server.check_fits(job)
     slack = server.spec.k + 1
     assert job.params.max_new_tokens == 512 - slack - len(job.prompt_ids)
-    long = parse("completion", {"model": MODEL, "prompt": list(range(1, 510))},
-                 model_name=MODEL, encode=server.encode)
+    long, = parse("completion", {"model": MODEL, "prompt": list(range(1, 510))},
+                  model_name=MODEL, encode=server.encode)
     with pytest.raises(APIError) as e:
         server.check_fits(long)
     assert e.value.param == "prompt" and "--max-seq-len" in e.value.message
-    capped = parse("completion", {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 600},
-                   model_name=MODEL, encode=server.encode)
+    capped, = parse("completion", {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 600},
+                    model_name=MODEL, encode=server.encode)
     with pytest.raises(APIError) as e:
         server.check_fits(capped)
     assert e.value.param == "max_tokens" and "max_new_tokens" not in e.value.message
@@ -359,9 +431,9 @@ def test_full_queue_is_429(served):
 
 def test_protocol_refuses_what_it_does_not_support():
     enc = lambda p, chat: [1, 2, 3]  # noqa: E731
-    job = parse("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                         "stop": ["\n\n", "END"], "max_completion_tokens": 5, "top_k": 3,
-                         "seed": 7}, model_name="m", encode=enc)
+    job, = parse("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                          "stop": ["\n\n", "END"], "max_completion_tokens": 5, "top_k": 3,
+                          "seed": 7}, model_name="m", encode=enc)
     assert job.stop == ["\n\n", "END"] and job.params.max_new_tokens == 5
     assert job.params.top_k == 3 and job.params.seed == 7
     for body, field in [({"model": "m", "messages": [], "tools": [{"type": "function"}]}, "tools"),

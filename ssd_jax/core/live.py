@@ -120,10 +120,12 @@ class LiveBatch:
         return [int(i) for i in np.flatnonzero(np.asarray(self.state.target.rows.done))]
 
     def join(self, slot: int, ids: list[int], params: SamplingParams, stops: list[int],
-             logprobs: int | None = None) -> tuple[int, HostLogprobs | None] | None:
+             logprobs: int | None = None, prompt_logprobs: bool = False
+             ) -> tuple[int, HostLogprobs | None] | None:
         """Prefill one request into `slot`; returns its first token and, given `logprobs` (a
-        top-N width), its log-probabilities (row 0 of a batch of one); None on a draft-only
-        process.
+        top-N width), its log-probabilities (row 0 of a batch of one: [1, 1], or with
+        `prompt_logprobs` [1, T] over the prompt then the first token, runner.prefill); None on
+        a draft-only process.
 
         SSD: the draft's prefill and the row's first speculation run on the draft's devices
         after the first token is known, and the speculation is handed to the target at this
@@ -134,7 +136,7 @@ class LiveBatch:
         if self.target is not None:
             runner = self.target.runner
             one = TargetSide(runner, b.place(self.on_target), runner.new_cache(1, self.seq_len))
-            ts1, lp = one.prefill(logprobs)
+            ts1, lp = one.prefill(logprobs, prompt_logprobs)
             self.target.batch = replace(self.target.batch, req=put_row(
                 self.target.batch.req, one.batch.req, slot))
             self.state.target = _put_state(self.state.target, ts1, slot)

@@ -67,11 +67,14 @@ class TargetSide:
     batch: Batch
     cache: KVCache
 
-    def prefill(self, logprobs: int | None = None) -> tuple[TargetState, TokenLogprobs | None]:
+    def prefill(self, logprobs: int | None = None, prompt_logprobs: bool = False
+                ) -> tuple[TargetState, TokenLogprobs | None]:
         """The batch's prompts in; given `logprobs` (a top-N width), also the first tokens'
-        log-probabilities (core/logprobs.py)."""
+        log-probabilities (core/logprobs.py), and with `prompt_logprobs` the prompts' too
+        (runner.prefill)."""
         b = self.batch
-        rows, cache, lp = self.runner.prefill(b.tokens, b.prompt_len, self.cache, b.req, logprobs)
+        rows, cache, lp = self.runner.prefill(b.tokens, b.prompt_len, self.cache, b.req, logprobs,
+                                              prompt_logprobs)
         return TargetState(rows, cache), lp
 
     def verify(self, state: TargetState, spec: Speculation, logprobs: int | None = None):

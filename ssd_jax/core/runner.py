@@ -57,12 +57,19 @@ def fill_kv(graphdef, params, tokens: Int[Array, "B T"], cache: KVCache):
                                     logit_index=jnp.zeros((B, 1), jnp.int32))
 
 
-@partial(jax.jit, static_argnames=("graphdef", "logprobs"))
+@partial(jax.jit, static_argnames=("graphdef", "logprobs", "prompt_logprobs"))
 def prefill(graphdef, params, tokens: Int[Array, "B T"], prompt_len: Int[Array, " B"],
-            cache: KVCache, req: Requests, logprobs: int | None = None
+            cache: KVCache, req: Requests, logprobs: int | None = None,
+            prompt_logprobs: bool = False
             ) -> tuple[RowState, KVCache, TokenLogprobs | None]:
     """Right-padded prompts -> the first sampled token, the prompt K/V (not yet committed) and,
-    given `logprobs` (a top-N width), the first token's log-probabilities (logprobs.py).
+    given `logprobs` (a top-N width), the first token's log-probabilities (logprobs.py), [B, 1].
+
+    `prompt_logprobs` (with `logprobs`): the log-probabilities cover every position, [B, T]:
+    position t scores prompt token t + 1 under the logits at t, and position prompt_len - 1
+    the first sampled token (positions past it are padding). The first token is still drawn
+    from the last position's logits alone, the program a request without them runs, so asking
+    moves no token.
 
     Padding needs no extra mask: under the causal mask a real token at t < len only sees
     keys <= t, and the pad slots' K/V are overwritten by later commits."""
@@ -71,11 +78,17 @@ def prefill(graphdef, params, tokens: Int[Array, "B T"], prompt_len: Int[Array, 
     # An opaque zero: with a literal 0 prefix length XLA constant-folds the all-masked prefix
     # scores ([B, H, T, S] per layer), which took ~2 min per layer group to compile at B=32, T=128.
     no_prefix = jax.lax.optimization_barrier(jnp.zeros((B,), jnp.int32))
-    logits, new_kv = _merge(graphdef, params)(
-        tokens, positions, cache, no_prefix, causal_mask(B, T),
-        logit_index=(prompt_len - 1)[:, None])
+    model = _merge(graphdef, params)
+    x, new_kv = model.hidden(tokens, positions, cache, no_prefix, causal_mask(B, T))
+    logits = model.head(x, (prompt_len - 1)[:, None])
     first = _sample(logits[:, 0], req, prompt_len)
-    lp = None if logprobs is None else token_logprobs(logits, first[:, None], logprobs)
+    lp = None
+    if logprobs is not None and prompt_logprobs:
+        nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], axis=1)
+        nxt = jnp.where(jnp.arange(T) == (prompt_len - 1)[:, None], first[:, None], nxt)
+        lp = token_logprobs(model.head(x), nxt, logprobs)
+    elif logprobs is not None:
+        lp = token_logprobs(logits, first[:, None], logprobs)
     return start_rows(tokens, prompt_len, first, req), new_kv, lp
 
 
@@ -111,10 +124,11 @@ class ModelRunner:
         from ssd_jax.sharding import new_cache
         return new_cache(self.config, batch, seq_len, self.mesh)
 
-    def prefill(self, tokens, prompt_len, cache, req: Requests, logprobs: int | None = None
+    def prefill(self, tokens, prompt_len, cache, req: Requests, logprobs: int | None = None,
+                prompt_logprobs: bool = False
                 ) -> tuple[RowState, KVCache, TokenLogprobs | None]:
         rows, new_kv, lp = prefill(self.graphdef, self.params, tokens, prompt_len, cache, req,
-                                   logprobs)
+                                   logprobs, prompt_logprobs)
         return rows, commit(cache, new_kv, prompt_len * 0), lp  # on prompt_len's devices
 
     def decode(self, rows: RowState, cache: KVCache, req: Requests, logprobs: int | None = None

@@ -172,6 +172,15 @@ class Transformer(nnx.Module):
         `extra` holds K/V [B, U0, Hkv, D] of earlier uncommitted tokens (SSD's glue and tree
         branches); they join the new-token block ahead of this call's T tokens, so `mask` is
         [B, T, U0 + T]. Only this call's K/V are returned."""
+        x, kv = self.hidden(tokens, positions, cache, prefix_len, mask, extra)
+        return self.head(x, logit_index), kv
+
+    def hidden(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], cache: KVCache,
+               prefix_len: Int[Array, " B"], mask: Bool[Array, "B T U"],
+               extra: KVCache | None = None) -> tuple[Float[Array, "B T D"], KVCache]:
+        """The final-normed hidden states of every new token, and their K/V (`__call__`'s
+        arguments): a caller that needs two sets of logits from one forward (the prefill's
+        next token, and its prompt's log-probabilities) applies `head` twice."""
         inv_freq = jnp.asarray(inverse_frequencies(
             self.config.head_dim, self.config.rope_theta, self.config.rope_scaling))
         attend_fn = select_attention(self.config.attention_backend)
@@ -183,11 +192,15 @@ class Transformer(nnx.Module):
                                          else (None, None)))
             new_k.append(k)
             new_v.append(v)
-        x = self.norm(x)
+        return self.norm(x), KVCache(tuple(new_k), tuple(new_v))
+
+    def head(self, x: Float[Array, "B T D"], logit_index: Int[Array, "B N"] | None = None
+             ) -> Float[Array, "B N V"]:
+        """fp32 logits of the hidden states at `logit_index` (None: all of them)."""
         if logit_index is not None:
             x = jnp.take_along_axis(x, logit_index[..., None], axis=1)
         if self.lm_head is None:
             logits = self.embed_tokens.attend(x)
         else:
             logits = self.lm_head(x)
-        return logits.astype(jnp.float32), KVCache(tuple(new_k), tuple(new_v))
+        return logits.astype(jnp.float32)

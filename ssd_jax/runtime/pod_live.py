@@ -38,11 +38,12 @@ class LeadLive:
         return self.live.request(ids, params, stops)  # host-side checks: nothing to mirror
 
     def join(self, slot: int, ids: list[int], params: SamplingParams, stops: list[int],
-             logprobs: int | None = None):
+             logprobs: int | None = None, prompt_logprobs: bool = False):
         self.live.request(ids, params, stops)  # bad input raises here, before the others see it
         self.stream.publish(dict(op="join", slot=slot, ids=list(ids), params=asdict(params),
-                                 stops=list(stops), logprobs=logprobs))
-        return self._run(self.live.join, slot, ids, params, stops, logprobs)
+                                 stops=list(stops), logprobs=logprobs,
+                                 prompt_logprobs=prompt_logprobs))
+        return self._run(self.live.join, slot, ids, params, stops, logprobs, prompt_logprobs)
 
     def leave(self, slot: int) -> None:
         self.stream.publish(dict(op="leave", slot=slot))
@@ -77,7 +78,7 @@ def mirror(live, stream: Stream) -> None:
             return
         if op == "join":
             live.join(msg["slot"], msg["ids"], SamplingParams(**msg["params"]), msg["stops"],
-                      msg.get("logprobs"))
+                      msg.get("logprobs"), msg.get("prompt_logprobs", False))
         elif op == "leave":
             live.leave(msg["slot"])
         elif op == "step":

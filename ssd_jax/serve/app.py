@@ -32,19 +32,26 @@ def _cancel(reqs: list) -> None:
         req.cancel()
 
 
+def _prompt_tokens(reqs: list) -> int:
+    """usage.prompt_tokens: each prompt's tokens once, however many choices it has."""
+    return sum(len(r.job.prompt_ids) for r in reqs if r.job.index % r.job.n == 0)
+
+
 def build_app(server) -> Starlette:
     """`server`: a serve.server.Server (model name, encode, stop ids, scheduler, metrics)."""
 
     async def submit(kind: str, http: HTTPRequest):
-        """Parse, check and queue a request: its choices' Requests (one per `n`) and the one
-        queue their events arrive on as (choice index, event); or an error response."""
+        """Parse, check and queue a request: its choices' Requests (one per prompt and `n`, in
+        the order of their indices) and the one queue their events arrive on as (choice index,
+        event); or an error response."""
         try:
             try:
                 body = json.loads(await http.body())
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise APIError(400, f"the request body is not valid JSON: {e}")
-            job = protocol.parse(kind, body, model_name=server.model_name, encode=server.encode)
-            server.check_fits(job)
+            jobs = protocol.parse(kind, body, model_name=server.model_name,
+                                  encode=server.encode)
+            server.check_request(jobs)
         except APIError as e:
             return None, None, _error(e)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
@@ -52,7 +59,7 @@ def build_app(server) -> Starlette:
         def pusher(i: int):
             return lambda ev: loop.call_soon_threadsafe(events.put_nowait, (i, ev))
         reqs = [Request(j, pusher(j.index), server.stop_ids(j.params))
-                for j in protocol.choices_of(job)]
+                for job in jobs for j in protocol.choices_of(job)]
         try:
             server.scheduler.submit(*reqs)
         except APIError as e:
@@ -98,7 +105,7 @@ def build_app(server) -> Starlette:
                                            logprobs=lp))
         return JSONResponse(protocol.envelope(
             reqs[0].job, choices, chunk=False,
-            usage=protocol.usage(len(reqs[0].job.prompt_ids), sum(ev[2] for ev in last)),
+            usage=protocol.usage(_prompt_tokens(reqs), sum(ev[2] for ev in last)),
             speculation=protocol.merged_speculation([ev[3] for ev in last])))
 
     async def next_event(reqs: list, events: asyncio.Queue, http: HTTPRequest, asked: list):
@@ -152,7 +159,7 @@ def build_app(server) -> Starlette:
                 left, tokens = left - 1, tokens + n_tokens
             if not left and job.include_usage:
                 yield sse(protocol.envelope(job, [], chunk=True, usage=protocol.usage(
-                    len(job.prompt_ids), tokens)))
+                    _prompt_tokens(reqs), tokens)))
             yield "data: [DONE]\n\n"
         finally:
             _cancel(reqs)  # a client that went away frees its slots; after "done" a no-op

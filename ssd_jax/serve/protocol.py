@@ -2,12 +2,18 @@
 
 A request becomes a `Job` (prompt token ids, SamplingParams, stop strings, streaming flags,
 log-probabilities asked for) or an `APIError` naming the field and the fix: fields the engine
-does not support (best_of, echo, tools, penalties ...) are refused, never silently ignored. Purely
+does not support (best_of, tools, penalties ...) are refused, never silently ignored. Purely
 informational fields (user, metadata) are accepted. Extensions, as in vLLM: `top_k`, `ignore_eos`,
 `stop_token_ids`.
 
-`n` > 1 asks for several choices from one prompt: `choices_of` makes one job per choice, each a
-row of its own (sampled independently, as n requests would be), answered as one response.
+A completions request may hold several prompts (a list of strings or of token-id lists): `parse`
+makes one job per prompt. `n` > 1 asks for several choices of each: `choices_of` makes one job
+per choice, each a row of its own (sampled independently, as n requests would be); choice i of
+prompt p has index p * n + i in the one response, as in OpenAI's API.
+
+`echo` (completions) puts the prompt ahead of the answer, and with `logprobs` the prompt's own
+log-probabilities ahead of the answer's (None for its first token, which nothing predicts):
+what lm-evaluation-harness's log-likelihood tasks ask for, with max_tokens 0 or 1.
 """
 from __future__ import annotations
 
@@ -49,7 +55,11 @@ class Job:
     # `top_logprobs: N`.
     logprobs: int | None = None
     n: int = 1  # choices asked for; `choices_of` splits them into one job each
-    index: int = 0  # this job's choice index in its response
+    index: int = 0  # this job's choice index in its response (its prompt's, before choices_of)
+    echo: bool = False  # the prompt (and its log-probabilities) ahead of the answer
+    # max_tokens 0 (with echo): the prompt alone. The row still runs its prefill, which
+    # computes the prompt's log-probabilities, and leaves before its first token counts.
+    prompt_only: bool = False
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -62,7 +72,7 @@ FIELDS = {"completion": COMMON | {"prompt", "echo", "best_of", "suffix"},
           "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                             "tool_choice", "parallel_tool_calls", "response_format"}}
 # Fields whose only supported value is "off": (field, the values that mean off).
-OFF = {"best_of": (None, 1), "echo": (None, False),
+OFF = {"best_of": (None, 1),
        "presence_penalty": (None, 0, 0.0),
        "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "suffix": (None, ""),
        "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
@@ -126,10 +136,11 @@ def text_content(messages):
     return out
 
 
-def parse(kind: str, body, *, model_name: str, encode) -> Job:
-    """Validate a request body; `encode(prompt_or_messages, chat: bool) -> ids` may raise
-    ValueError (an unusable prompt), reported as a 400 on the prompt field. Without max_tokens
-    the job's max_new_tokens is a placeholder (Job.max_tokens_given)."""
+def parse(kind: str, body, *, model_name: str, encode) -> list[Job]:
+    """Validate a request body: one job per prompt (chat: one). `encode(prompt_or_messages,
+    chat: bool) -> ids` may raise ValueError (an unusable prompt), reported as a 400 on the
+    prompt field. Without max_tokens a job's max_new_tokens is a placeholder
+    (Job.max_tokens_given)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     unknown = sorted(set(body) - FIELDS[kind])
@@ -149,24 +160,25 @@ def parse(kind: str, body, *, model_name: str, encode) -> Job:
                             f"'{model_name}' (GET /v1/models)", "model", code="model_not_found")
     prompt_field = "prompt" if kind == "completion" else "messages"
     prompt = body.get(prompt_field)
-    if kind == "completion" and isinstance(prompt, list) and len(prompt) == 1 \
-            and isinstance(prompt[0], str):
-        prompt = prompt[0]  # the openai client sends a one-element list for one prompt
     if prompt is None:
         raise APIError(400, f"'{prompt_field}' is required", prompt_field)
-    if kind == "completion" and isinstance(prompt, list) and prompt and all(
-            isinstance(p, (str, list)) for p in prompt):
-        raise APIError(400, "'prompt' holds several prompts: send one per request (n=1 "
-                            "batching is done by the server)", "prompt")
-    if kind == "chat":
-        prompt = text_content(prompt)
+    # Several prompts: a list of strings or of token-id lists (the openai client sends a
+    # one-element list for one string).
+    several = kind == "completion" and isinstance(prompt, list) and bool(prompt) and all(
+        isinstance(p, (str, list)) for p in prompt)
+    prompts = prompt if several else [text_content(prompt) if kind == "chat" else prompt]
     try:
-        ids = encode(prompt, kind == "chat")
+        ids = [encode(p, kind == "chat") for p in prompts]
     except ValueError as e:
         raise APIError(400, str(e).splitlines()[0], prompt_field)
+    echo = kind == "completion" and _flag(body, "echo")
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
-    max_tokens = _number(body, max_name, int, None, 1)
+    max_tokens = _number(body, max_name, int, None, 0)
+    if max_tokens == 0 and not echo:
+        raise APIError(400, f"'{max_name}'=0 asks for no answer, which only makes sense with "
+                            "'echo': true (the prompt's log-probabilities): give 1 or more",
+                       max_name)
     given = max_tokens is not None
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
@@ -180,26 +192,27 @@ def parse(kind: str, body, *, model_name: str, encode) -> Job:
             temperature=_number(body, "temperature", float, 1.0, 0.0, 2.0),
             top_p=_number(body, "top_p", float, 1.0, 0.0, 1.0),
             top_k=_number(body, "top_k", int, 0, 0),
-            max_new_tokens=max_tokens if given else 1, seed=None if seed is None else seed % 2**32,
+            max_new_tokens=max_tokens or 1, seed=None if seed is None else seed % 2**32,
             ignore_eos=_flag(body, "ignore_eos"), stop_token_ids=_token_ids(body))
     except ValueError as e:
         msg = str(e).splitlines()[0]
         raise APIError(400, msg, next((f for f in ("top_k", "top_p", "temperature")
                                        if msg.startswith(f + "=")), None))
-    return Job(kind, model, ids, params, _stop(body), stream,
-               bool(stream_options.get("include_usage")), given, logprobs=_logprobs(kind, body),
-               n=_number(body, "n", int, 1, 1))
+    stop, lp, n = _stop(body), _logprobs(kind, body), _number(body, "n", int, 1, 1)
+    return [Job(kind, model, p, params, stop, stream, bool(stream_options.get("include_usage")),
+                given, logprobs=lp, n=n, index=i, echo=echo, prompt_only=max_tokens == 0)
+            for i, p in enumerate(ids)]
 
 
 def choices_of(job: Job) -> list[Job]:
-    """One job per choice of a checked request (Server.check_fits gave it a seed): the same
-    prompt and settings, index i, and seed i of the request's (choice 0 keeps the request's own
-    seed, so n=1 and choice 0 of n=2 make the same text). Greedy choices are equal, as OpenAI's
-    and vLLM's are."""
+    """One job per choice of a checked prompt's job (Server.check_fits gave it a seed): the
+    same prompt and settings, index p * n + i for prompt p, and seed i of the job's (choice 0
+    keeps the job's own seed, so n=1 and choice 0 of n=2 make the same text). Greedy choices
+    are equal, as OpenAI's and vLLM's are."""
     seed = job.params.seed
-    return [job if i == 0 else replace(
-        job, index=i, params=replace(job.params, seed=(seed + i * 0x9E3779B9) % 2**32))
-        for i in range(job.n)]
+    return [replace(job, index=job.index * job.n + i,
+                    params=replace(job.params, seed=(seed + i * 0x9E3779B9) % 2**32))
+            for i in range(job.n)]
 
 
 def _token_ids(body: dict) -> tuple[int, ...]:
@@ -267,7 +280,8 @@ def logprobs_object(job: Job, entries: list, piece) -> dict | None:
 
     chat: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]};
     completions (the legacy shape): {tokens, token_logprobs, top_logprobs: [{text: logprob}]
-    with the chosen token among them, text_offset}."""
+    with the chosen token among them, text_offset}; an echoed prompt's first token has None
+    for both, as nothing predicts it."""
     if job.logprobs is None:
         return None
     n = job.logprobs
@@ -279,8 +293,11 @@ def logprobs_object(job: Job, entries: list, piece) -> dict | None:
         return dict(content=[dict(one(e.token, e.logprob),
                                   top_logprobs=[one(t, lp) for t, lp in e.top[:n]])
                              for e in entries], refusal=None)
-    tops = []
+    tops: list[dict | None] = []
     for e in entries:
+        if e.top is None:
+            tops.append(None)
+            continue
         top = {piece(t)[0]: _finite(lp) for t, lp in e.top[:n]}
         top.setdefault(piece(e.token)[0], _finite(e.logprob))
         tops.append(top)
@@ -289,10 +306,10 @@ def logprobs_object(job: Job, entries: list, piece) -> dict | None:
                 text_offset=[e.text_offset for e in entries])
 
 
-def _finite(lp: float) -> float:
+def _finite(lp: float | None) -> float | None:
     """JSON has no -inf: a token the model gives no mass (a masked logit) reads as -9999.0, as
     OpenAI writes it."""
-    return max(float(lp), -9999.0)
+    return None if lp is None else max(float(lp), -9999.0)
 
 
 def envelope(job: Job, choices: list, chunk: bool, **extra) -> dict:

@@ -13,6 +13,10 @@ tokens at every emitted position (core/logprobs.py); other rounds cost nothing e
 token's entry goes out with the text delta that completes the token's text, and whatever is
 left (a stop token, the tail a stop string cut) with the last event, so a request gets one
 entry per token of usage.completion_tokens.
+
+An echoed prompt (completions' `echo`) goes out as the first delta, before the first token's,
+with its log-probabilities when asked for: the joining row's prefill then scores every prompt
+position (runner.prefill's prompt_logprobs), in the same program that draws the first token.
 """
 from __future__ import annotations
 
@@ -41,7 +45,8 @@ class Request:
     arrived: float = field(default_factory=time.perf_counter)
     slot: int | None = None
     tokens: list = field(default_factory=list)
-    sent: str = ""  # text already delivered
+    sent: str = ""  # text already delivered (of the answer: an echoed prompt is apart)
+    offset: int = 0  # where the answer's text starts in the response (after an echoed prompt)
     entries: list = field(default_factory=list)  # LogprobEntry per token, when asked for
     entries_sent: int = 0
     finish: str | None = None
@@ -155,10 +160,11 @@ class Scheduler:
                 self._end(req, None)
                 continue
             slot = free.pop(0)
+            job = req.job
+            prompt_lp = job.echo and _wants(req)
             try:
-                first, lp = self.live.join(slot, req.job.prompt_ids, req.job.params,
-                                           sorted(req.stop_ids),
-                                           self.lp_width if _wants(req) else None)
+                first, lp = self.live.join(slot, job.prompt_ids, job.params, sorted(req.stop_ids),
+                                           self.lp_width if _wants(req) else None, prompt_lp)
             except ValueError as e:  # refused before it touched the batch (LiveBatch.request)
                 log.warning("request %s refused at join: %s", req.job.id, e)
                 self._end(req, ("error",
@@ -170,8 +176,29 @@ class Scheduler:
             self.events.append((time.perf_counter(), "join", req.job.id, slot))
             if self.metrics and not req.quiet:
                 self.metrics.ttft.observe(req.first_token_s - req.arrived)
-            self._take(req, [first], _row(lp, 0, [0]))
+            if job.echo:
+                self._echo(req, lp if prompt_lp else None)
+            if job.prompt_only:
+                self._finish(req, "length")
+                continue
+            self._take(req, [first], _row(lp, 0, [len(job.prompt_ids) - 1 if prompt_lp else 0]))
         self._gauge()
+
+    def _echo(self, req: Request, lp) -> None:
+        """The prompt's text as the request's first delta; given `lp` (the prefill's [1, T]
+        log-probabilities), one entry per prompt token, the first with none (nothing predicts
+        it)."""
+        ids = req.job.prompt_ids
+        text = self.text(ids)
+        entries = []
+        if lp is not None:
+            entries = [LogprobEntry(ids[0], None, None, 0)] + [
+                LogprobEntry(t, lp_t, top, len(self.text(ids[:i + 1])))
+                for i, (t, (lp_t, top)) in enumerate(zip(ids[1:], _row(
+                    lp, 0, list(range(len(ids) - 1)))))]
+        req.offset = len(text)
+        if req in self.open:
+            req.push(("delta", text, entries))
 
     def _drop_cancelled(self) -> None:
         for slot, req in list(self.active.items()):
@@ -202,7 +229,8 @@ class Scheduler:
         reason = None
         for i, t in enumerate(toks):
             if lps is not None:
-                req.entries.append(LogprobEntry(t, *lps[i], len(self.text(req.tokens))))
+                req.entries.append(LogprobEntry(t, *lps[i],
+                                                req.offset + len(self.text(req.tokens))))
             req.tokens.append(t)
             if t in req.stop_ids:
                 reason = "stop"

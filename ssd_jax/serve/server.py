@@ -68,7 +68,7 @@ class Server:
         job = Job("completion", self.model_name, self.llm.prompts.encode("Hello", chat=False),
                   SamplingParams(max_new_tokens=2 * (k + 1) + 1, ignore_eos=True), [],
                   stream=False, include_usage=False, logprobs=logprobs)
-        self.check_fits(job)
+        self.check_request([job])
         self.scheduler.submit(Request(job, push, set(), quiet=True))
         while not done.wait(1.0):
             if not self.scheduler.alive():
@@ -93,18 +93,27 @@ class Server:
     def stop_ids(self, p: SamplingParams) -> set[int]:
         return set(self.llm.prompts.stop_ids(p))
 
+    def check_request(self, jobs: list[Job]) -> None:
+        """`check_fits` for each prompt's job of one request, after refusing a request whose
+        choices (prompts x n) the queue could never hold at once."""
+        rows = len(jobs) * jobs[0].n
+        if rows > self.scheduler.max_queue:
+            what = (f"'n'={jobs[0].n}" if len(jobs) == 1 else
+                    f"{len(jobs)} prompts x 'n'={jobs[0].n}")
+            raise APIError(400, f"{what} is more choices than this server queues at once "
+                                f"({self.scheduler.max_queue}): ask for fewer, or start it "
+                                "with a larger --max-queue", "n" if len(jobs) == 1 else "prompt")
+        for job in jobs:
+            self.check_fits(job)
+
     def check_fits(self, job: Job) -> None:
-        """Refuse what cannot fit the context, the batch's rows or the queue; give an unseeded
-        request its own seed (rows sample independently, as offline) and one without
-        max_tokens the context left after its prompt. Everything a row's join could refuse is
-        refused here, before the request is queued: an error inside the decode thread would
-        reach the request late, and its neighbours not at all."""
+        """Refuse what cannot fit the context, the batch's rows or the server's settings; give
+        an unseeded request its own seed (rows sample independently, as offline) and one
+        without max_tokens the context left after its prompt. Everything a row's join could
+        refuse is refused here, before the request is queued: an error inside the decode
+        thread would reach the request late, and its neighbours not at all."""
         if job.params.seed is None:
             job.params = replace(job.params, seed=int(self._seeds.integers(2**32)))
-        if job.n > self.scheduler.max_queue:
-            raise APIError(400, f"'n'={job.n} is more choices than this server queues at once "
-                                f"({self.scheduler.max_queue}): ask for fewer, or start it "
-                                "with a larger --max-queue", "n")
         if job.logprobs is not None and job.logprobs > self.max_logprobs:
             name = "logprobs" if job.kind == "completion" else "top_logprobs"
             raise APIError(400, f"'{name}'={job.logprobs} is more than this server returns "
