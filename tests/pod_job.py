@@ -174,6 +174,13 @@ def serve(llm) -> dict:
     lp = r.choices[0].logprobs
     got["logprobs"] = dict(text=r.choices[0].text, chosen=lp.token_logprobs,
                            top=[sorted(t.values(), reverse=True) for t in lp.top_logprobs])
+    # echo: the prompt's log-probabilities from the joining row's prefill, run SPMD by the
+    # target group (the mirrored join carries the switch).
+    r = client.completions.create(model="tiny", prompt=SERVE_GREEDY[0][0], max_tokens=1,
+                                  temperature=0.0, logprobs=2, echo=True)
+    lp = r.choices[0].logprobs
+    got["echo"] = dict(chosen=lp.token_logprobs, top=[
+        None if t is None else sorted(t.values(), reverse=True) for t in lp.top_logprobs])
     uv.should_exit = True
     thread.join(60)
     got["stopped"] = not server.scheduler._thread.is_alive()

@@ -163,6 +163,16 @@ def _check_logprobs(got: dict, oracle: dict) -> None:
     assert len(tokens) == n == len(served["chosen"])
     np.testing.assert_allclose(served["chosen"], ref[np.arange(n), tokens], atol=2e-4)
     np.testing.assert_allclose(served["top"], -np.sort(-ref, axis=1)[:, :2], atol=2e-4)
+    # echo, max_tokens 1: the prompt's tokens (the first has none), then the first answer token.
+    echo, ids = got["served"]["echo"], words(prompt)
+    assert echo["chosen"][0] is None and echo["top"][0] is None
+    scored = ids[1:] + tokens[:1]
+    ref = token_logprobs(hf, ids[:1], scored)
+    assert len(echo["chosen"]) == len(ids) + 1
+    np.testing.assert_allclose(echo["chosen"][1:], ref[np.arange(len(scored)), scored], atol=2e-4)
+    # A prompt token outside the top 2 is a third entry, below them.
+    np.testing.assert_allclose([t[:2] for t in echo["top"][1:]], -np.sort(-ref, axis=1)[:, :2],
+                               atol=2e-4)
 
 
 def test_three_processes_target_tp2_across_two(pair, oracle, tmp_path):
