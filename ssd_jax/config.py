@@ -133,13 +133,18 @@ class SamplingParams:
     # The target's log-probability of each generated token and its `logprobs` most likely
     # alternatives (RequestOutput.logprobs); None: not computed.
     logprobs: int | None = None
+    # The same for each prompt token after the first (RequestOutput.prompt_logprobs), as
+    # vLLM's: what scoring a text (log-likelihood evaluation) needs.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         _require_ints(self, "top_k", "max_new_tokens")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(
-                self.logprobs, numbers.Integral) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs={self.logprobs!r} is invalid: give None (off) or the "
-                             f"number of top alternatives per token, 0..{MAX_LOGPROBS}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)
+                                  or not 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"{name}={v!r} is invalid: give None (off) or the number of "
+                                 f"top alternatives per token, 0..{MAX_LOGPROBS}")
         _check_seed(self.seed)
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
             raise ValueError(

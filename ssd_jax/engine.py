@@ -18,7 +18,7 @@ import jax
 from ssd_jax import autotune
 from ssd_jax.core.batch import Batch, make_batch, padded_shape, round_up
 from ssd_jax.core.metrics import RunMetrics
-from ssd_jax.core.rounds import DraftSide, TargetSide, ar_loop, sd_loop, ssd_loop
+from ssd_jax.core.rounds import DraftSide, TargetSide, ar_loop, sd_loop, ssd_loop, tokens_in
 from ssd_jax.core.runner import ModelRunner
 from ssd_jax.core.transport import LocalLink
 from ssd_jax.draft_vocab import draft_for
@@ -725,7 +725,7 @@ class Engine:
         try:
             for chunk, metrics in chunks:
                 if predicted is not None:
-                    count[0 if ran != mode else 1] += sum(map(len, chunk))
+                    count[0 if ran != mode else 1] += tokens_in(chunk)
                 yield chunk, metrics
         finally:
             chunks.close()  # a caller that stops reading stops the run (a pod finishes it)

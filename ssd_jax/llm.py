@@ -16,6 +16,7 @@ from ssd_jax.config import EngineConfig, SamplingParams, SpecConfig
 from ssd_jax.engine import Engine, Shapes
 from ssd_jax.loading.tokenizer import Tokenizer
 from ssd_jax.core.metrics import RunMetrics
+from ssd_jax.core.rounds import PromptLogprobs
 from ssd_jax.models.transformer import Transformer
 from ssd_jax.prompts import Prompt, Prompts, prompt_kind, short
 
@@ -30,6 +31,9 @@ class RequestOutput:
     # SamplingParams.logprobs given: per generated token, {token id: log-probability} for the
     # token and the top alternatives (the target's raw distribution, core/logprobs.py).
     logprobs: list[dict[int, float]] | None = field(default=None, repr=False)
+    # SamplingParams.prompt_logprobs given: the same per prompt token, None for the first
+    # (nothing predicts it), as vLLM's.
+    prompt_logprobs: list[dict[int, float] | None] | None = field(default=None, repr=False)
 
 
 def _check_config(name: str, value, cls) -> None:
@@ -192,11 +196,12 @@ class LLM:
                              self._sync(sync_phases))
 
     def _collect(self, ids, params, mode, spec, sync_phases
-                 ) -> Iterator[tuple[list[list[int]], list[str | None], RunMetrics, list]]:
+                 ) -> Iterator[tuple[list[list[int]], list[str | None], RunMetrics, list, list]]:
         """Per-row token lists grown chunk by chunk, cut at the stop token / budget, and per
-        row its tokens' log-probabilities (None where the row did not ask)."""
+        row its tokens' and its prompt's log-probabilities (None where the row did not ask)."""
         out: list[list[int]] = [[] for _ in ids]
         lps = [None if p.logprobs is None else [] for p in params]
+        prompt_lps: list = [None] * len(ids)
         reason: list[str | None] = [None] * len(ids)
         stops = [set(self.prompts.stop_ids(p)) for p in params]
         for toks, metrics in self._run(ids, params, mode, spec, sync_phases):
@@ -204,6 +209,13 @@ class LLM:
                 for t in toks[i]:
                     if reason[i] is not None:
                         break
+                    if isinstance(t, PromptLogprobs):
+                        n = params[i].prompt_logprobs
+                        if n is not None:
+                            prompt_lps[i] = [None] + [
+                                {**dict(list(top.items())[:n]), int(tok): chosen}
+                                for tok, (chosen, top) in zip(ids[i][1:], t.entries)]
+                        continue
                     if isinstance(t, tuple):  # (token, logprob, top): the batch asked
                         t, chosen, top = t
                         if lps[i] is not None:
@@ -216,7 +228,7 @@ class LLM:
                         reason[i] = "length"
             metrics.new_tokens = sum(len(o) for o in out)
             self.last_metrics = metrics
-            yield out, reason, metrics, lps
+            yield out, reason, metrics, lps, prompt_lps
         self.core.learn(mode, metrics, greedy=all(p.temperature == 0 for p in params))
 
     # ---------------------------------------------------------------- public API
@@ -232,11 +244,11 @@ class LLM:
         EngineConfig's)."""
         mode, spec, sync = self._call(mode, spec, sync_phases)
         ids, params = self._prepare(prompts, sampling_params, chat)
-        out = reason = metrics = lps = None
-        for out, reason, metrics, lps in self._collect(ids, params, mode, spec, sync):
+        out = reason = metrics = lps = prompt_lps = None
+        for out, reason, metrics, lps, prompt_lps in self._collect(ids, params, mode, spec, sync):
             pass
         return [RequestOutput(ids[i], out[i], self.prompts.text(out[i]), reason[i] or "length",
-                              metrics, lps[i]) for i in range(len(ids))]
+                              metrics, lps[i], prompt_lps[i]) for i in range(len(ids))]
 
     @no_type_check
     def warmup(self, prompts: Prompt | Sequence[Prompt],
@@ -294,7 +306,7 @@ class LLM:
         mode, spec, sync = self._call(mode, spec, sync_phases)
         ids, params = self._prepare([prompt], sampling_params, chat)
         shown = ""
-        for out, _, _, _ in self._collect(ids, params, mode, spec, sync):
+        for out, *_ in self._collect(ids, params, mode, spec, sync):
             text = self.prompts.text(out[0])
             # Hold back a trailing replacement char: a multi-byte character may be incomplete.
             stable = text[:-1] if text.endswith("\ufffd") else text

@@ -28,10 +28,11 @@ SERVE_SLOTS = 2
 SERVE_GREEDY = [("w5 w9 w11", 9), ("w20 w21 w22 w23 w24 w25", 14), ("w7 w7 w7", 5),
                 ("w3 w1 w4 w1 w5", 11)]
 SERVE_SAMPLED = ("w40 w41 w42", 12, 7)  # prompt, max_tokens, seed; T = 1
-# An offline SSD batch on the pod in which two rows ask for log-probabilities (one sampled).
+# An offline SSD batch on the pod in which two rows ask for log-probabilities (one sampled)
+# and one for its prompt's.
 LOGPROBS = [dict(max_new_tokens=12, logprobs=2),
             dict(max_new_tokens=9, temperature=1.0, seed=3, logprobs=0),
-            dict(max_new_tokens=10)]
+            dict(max_new_tokens=10, prompt_logprobs=2)]
 
 
 def main() -> int:
@@ -121,6 +122,9 @@ def main() -> int:
                                          for kw in LOGPROBS], mode="ssd", chat=False)
             out["logprobs"] = [[o.token_ids, o.logprobs and [sorted(d.items())
                                                              for d in o.logprobs]] for o in res]
+            out["prompt_logprobs"] = [o.prompt_logprobs and [d and sorted(d.items())
+                                                             for d in o.prompt_logprobs]
+                                      for o in res]
         if args.auto:
             res = llm.generate(PROMPTS, greedy, mode="ssd", chat=False, spec=SpecConfig())
             out["auto"] = [o.token_ids for o in res]

@@ -123,32 +123,46 @@ def test_prompt_logprobs_equal_a_plain_forward(pair, mode):
 
 def _check_offline(out, reqs, hf):
     for o, (ids, p) in zip(out, reqs):
+        if p.prompt_logprobs is None:
+            assert o.prompt_logprobs is None
+        else:
+            assert len(o.prompt_logprobs) == len(ids) and o.prompt_logprobs[0] is None
+            _check_entries(o.prompt_logprobs[1:], ids[1:], token_logprobs(hf, ids[:1], ids[1:]),
+                           p.prompt_logprobs)
         if p.logprobs is None:
             assert o.logprobs is None
-            continue
-        ref = token_logprobs(hf, ids, o.token_ids)
-        assert len(o.logprobs) == len(o.token_ids)
-        for pos, (tok, lp) in enumerate(zip(o.token_ids, o.logprobs)):
-            order = [int(t) for t in np.argsort(-ref[pos])[:p.logprobs]]
-            assert set(lp) == set(order) | {tok}, pos
-            for t, v in lp.items():
-                np.testing.assert_allclose(v, ref[pos, t], atol=2e-4)
+        else:
+            assert len(o.logprobs) == len(o.token_ids)
+            _check_entries(o.logprobs, o.token_ids, token_logprobs(hf, ids, o.token_ids),
+                           p.logprobs)
 
 
-OFFLINE = [(PROMPTS[0], dict(max_new_tokens=12, logprobs=2)),
+def _check_entries(entries, tokens, ref, n):
+    """{id: logprob} per token: the token and the n most likely, as the oracle `ref` has them."""
+    for pos, (tok, lp) in enumerate(zip(tokens, entries)):
+        order = [int(t) for t in np.argsort(-ref[pos])[:n]]
+        assert set(lp) == set(order) | {tok}, pos
+        for t, v in lp.items():
+            np.testing.assert_allclose(v, ref[pos, t], atol=2e-4)
+
+
+OFFLINE = [(PROMPTS[0], dict(max_new_tokens=12, logprobs=2, prompt_logprobs=1)),
            (PROMPTS[1], dict(max_new_tokens=9, temperature=1.0, seed=3, logprobs=0)),
-           (PROMPTS[2], dict(max_new_tokens=10))]
+           (PROMPTS[2], dict(max_new_tokens=10)),
+           (PROMPTS[3], dict(max_new_tokens=6, temperature=0.7, seed=5, prompt_logprobs=3))]
 
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
 def test_generate_returns_logprobs_of_a_plain_forward(pair, mode):
-    """SamplingParams.logprobs offline, rows asking and not asking in one batch."""
+    """SamplingParams.logprobs and prompt_logprobs offline, rows asking and not asking in one
+    batch; asking moves no token, greedy or sampled."""
     target, draft, hf, _, _ = pair
     llm = _llm(target, draft, rows=4)
     reqs = [(ids, SamplingParams(ignore_eos=True, **kw)) for ids, kw in OFFLINE]
     out = llm.generate([ids for ids, _ in reqs], [p for _, p in reqs], mode=mode)
     plain = llm.generate([ids for ids, _ in reqs],
-                         [SamplingParams(ignore_eos=True, **{**kw, "logprobs": None})
+                         [SamplingParams(ignore_eos=True, **{**kw, "logprobs": None,
+                                                             "prompt_logprobs": None})
                           for _, kw in OFFLINE], mode=mode)
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
     _check_offline(out, reqs, hf)
@@ -166,3 +180,5 @@ def test_generate_logprobs_from_a_target_worker_process(pair):
 def test_logprobs_out_of_range_is_one_clear_error():
     with pytest.raises(ValueError, match="logprobs=21 is invalid"):
         SamplingParams(logprobs=21)
+    with pytest.raises(ValueError, match="prompt_logprobs=-1 is invalid"):
+        SamplingParams(prompt_logprobs=-1)

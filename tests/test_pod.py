@@ -140,6 +140,17 @@ def _check(got: dict, oracle: dict) -> None:
 def _check_logprobs(got: dict, oracle: dict) -> None:
     """The pod's log-probabilities, offline and served, against transformers' forward."""
     hf = oracle["hf"]
+    for prompt, kw, plps in zip(PROMPTS, LOGPROBS, got["prompt_logprobs"]):
+        if kw.get("prompt_logprobs") is None:
+            assert plps is None
+            continue
+        ref = token_logprobs(hf, prompt[:1], prompt[1:])
+        assert len(plps) == len(prompt) and plps[0] is None
+        for pos, (tok, pairs) in enumerate(zip(prompt[1:], plps[1:])):
+            top = [int(t) for t in np.argsort(-ref[pos])[:kw["prompt_logprobs"]]]
+            assert sorted(t for t, _ in pairs) == sorted(set(top) | {tok}), pos
+            np.testing.assert_allclose([v for _, v in pairs], ref[pos, [t for t, _ in pairs]],
+                                       atol=2e-4)
     for prompt, kw, (tokens, lps) in zip(PROMPTS, LOGPROBS, got["logprobs"]):
         assert len(tokens) == kw["max_new_tokens"]
         if kw.get("logprobs") is None:

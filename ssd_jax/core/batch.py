@@ -32,6 +32,9 @@ class Batch:
     # loops then run the programs that compute none. Always MAX_LOGPROBS when asked (rows keep
     # their own N on the host), so calls asking for different N share one compiled program.
     logprobs: int | None = None
+    # A real row asked for its prompt's log-probabilities (then `logprobs` is set too): the
+    # prefill scores every prompt position (runner.prefill).
+    prompt_logprobs: bool = False
 
     @property
     def size(self) -> int:
@@ -88,5 +91,6 @@ def make_batch(ids: list[list[int]], params: list[SamplingParams], stops: list[l
                  prompt_len=jnp.asarray([len(t) for t in ids], jnp.int32), req=req,
                  greedy_only=all(p.temperature == 0 for p in params[:n]),
                  max_steps=max(p.max_new_tokens for p in params[:n]),
-                 logprobs=MAX_LOGPROBS if any(p.logprobs is not None for p in params[:n])
-                 else None)
+                 logprobs=MAX_LOGPROBS if any(p.logprobs is not None or p.prompt_logprobs
+                                              is not None for p in params[:n]) else None,
+                 prompt_logprobs=any(p.prompt_logprobs is not None for p in params[:n]))

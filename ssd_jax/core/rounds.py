@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,8 +35,17 @@ from ssd_jax.core.target import TargetState, target_step
 from ssd_jax.models.transformer import KVCache
 
 # Per real row, the tokens emitted in a chunk of rounds; when the batch asked for
-# log-probabilities (Batch.logprobs), (token, logprob, {id: logprob}) triples instead.
+# log-probabilities (Batch.logprobs), (token, logprob, {id: logprob}) triples instead, and in
+# the first chunk of a batch that asked for its prompts' (Batch.prompt_logprobs) each row's
+# PromptLogprobs ahead of its first token.
 Chunk = list[list[int]] | list[list[tuple]]
+
+
+class PromptLogprobs(NamedTuple):
+    """One row's prompt log-probabilities: per prompt token after the first, (its logprob,
+    {id: logprob} of the top-N there). Not a token: readers that count tokens skip it."""
+
+    entries: list
 
 
 def _emit(outs: list, rows: int, lps: list | None = None) -> Chunk:
@@ -50,9 +59,24 @@ def _emit(outs: list, rows: int, lps: list | None = None) -> Chunk:
     return [[int(x) for x in row if x >= 0] for row in stacked]
 
 
-def _first(ts: TargetState, lp, rows: int) -> Chunk:
-    """The prefill's chunk: each real row's first token (with its log-probabilities)."""
-    return _emit([ts.rows.last[:, None]], rows, None if lp is None else [lp])
+def _first(ts: TargetState, lp, b: Batch) -> Chunk:
+    """The prefill's chunk: each real row's first token (with its log-probabilities, and
+    with Batch.prompt_logprobs its PromptLogprobs first: the prefill's lp is then [B, T],
+    position t scoring prompt token t + 1 and prompt_len - 1 the first token)."""
+    if not b.prompt_logprobs:
+        return _emit([ts.rows.last[:, None]], b.n, None if lp is None else [lp])
+    first, lens = np.asarray(ts.rows.last), np.asarray(b.prompt_len).tolist()
+    chosen, top_ids, top = (np.asarray(a) for a in lp)
+
+    def at(r: int, t: int) -> tuple[float, dict]:
+        return float(chosen[r, t]), dict(zip(top_ids[r, t].tolist(), top[r, t].tolist()))
+    return [[PromptLogprobs([at(r, t) for t in range(lens[r] - 1)]),
+             (int(first[r]), *at(r, lens[r] - 1))] for r in range(b.n)]
+
+
+def tokens_in(chunk: Chunk) -> int:
+    """How many tokens a chunk holds (its PromptLogprobs are not tokens)."""
+    return sum(not isinstance(t, PromptLogprobs) for row in chunk for t in row)
 
 
 def _all_done(rows, n: int) -> bool:
@@ -222,12 +246,13 @@ def ssd_loop(target: TargetSide | None, draft: DraftSide | None, link, metrics: 
     n_real = (target or draft).batch.n
     t0 = time.perf_counter()
     logprobs = target.batch.logprobs if target is not None else None
-    ts, lp = target.prefill(logprobs) if target is not None else (None, None)
+    ts, lp = (target.prefill(logprobs, target.batch.prompt_logprobs) if target is not None
+              else (None, None))
     outcome = link.outcome(None if ts is None else Outcome(ts.rows.last * 0 - 1, ts.rows.last))
     ds, spec = draft.start(outcome.t) if draft is not None else (None, None)
     s = RoundState(ts, ds, link.speculation(spec))
     if target is not None:
-        first = _first(ts, lp, n_real)  # TTFT includes the first token's transfer to the host
+        first = _first(ts, lp, target.batch)  # TTFT includes the first token's transfer
         metrics.ttft_s = time.perf_counter() - t0
         yield first
     phases = (dict(verify_s=0.0, exposed_s=0.0, build_s=0.0, select_s=0.0, verify_rounds=[],
@@ -271,9 +296,9 @@ def sd_loop(target: TargetSide, draft: ModelRunner, vocab, draft_cache: KVCache,
     cfg = DraftConfig(draft.graphdef, vocab, metrics.k, budget=0, greedy_only=b.greedy_only)
     k = cfg.k
     t0 = time.perf_counter()
-    state, lp = target.prefill(b.logprobs)
+    state, lp = target.prefill(b.logprobs, b.prompt_logprobs)
     draft_cache = draft.fill(vocab.draft_ids(b.tokens), draft_cache)
-    first = _first(state, lp, b.n)
+    first = _first(state, lp, b)
     metrics.ttft_s = time.perf_counter() - t0
     yield first
     hist = np.zeros(k + 1, np.int64)
@@ -312,9 +337,9 @@ def ar_loop(target: TargetSide, metrics: RunMetrics, sync_every: int) -> Iterato
     caller cuts off; the host reads a chunk of steps at a time, never waiting inside one."""
     b = target.batch
     t0 = time.perf_counter()
-    state, lp = target.prefill(b.logprobs)
+    state, lp = target.prefill(b.logprobs, b.prompt_logprobs)
     rows, cache = state.rows, state.cache
-    first = _first(state, lp, b.n)  # TTFT includes the first token's transfer to the host
+    first = _first(state, lp, b)  # TTFT includes the first token's transfer to the host
     metrics.ttft_s = time.perf_counter() - t0
     yield first
     steps, done_steps = b.max_steps - 1, 0
