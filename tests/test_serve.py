@@ -468,7 +468,6 @@ def test_stop_answers_requests_before_the_round_in_flight_ends():
     """A stop (SIGTERM's handler) gives every open request its error at once, not when the
     round in flight ends: uvicorn cuts the connections it still waits on after its graceful
     timeout, and a round can take seconds. Each request gets one last event."""
-    import numpy as np
     from ssd_jax.config import SamplingParams
     from ssd_jax.serve.protocol import Job
     from ssd_jax.serve.scheduler import Request, Scheduler
@@ -478,7 +477,7 @@ def test_stop_answers_requests_before_the_round_in_flight_ends():
         def free_slots(self):
             return [0]
 
-        def join(self, slot, ids, params, stops, logprobs=None):
+        def join(self, slot, ids, params, stops, logprobs=None, prompt_logprobs=False):
             return 7, None
 
         def step(self, logprobs=None):
