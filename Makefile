@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q -e ".[test]"
 	touch $(STAMP)
 
-.PHONY: venv demo serve test test-slow bench bench-real draft
+.PHONY: venv demo serve test test-slow bench bench-real draft lm-eval-check
 venv: $(STAMP)
 
 demo: $(STAMP)
@@ -50,6 +50,17 @@ bench-real: $(STAMP)
 	$(VENV)/bin/ssd-bench --pair qwen2.5-coder --mode all --suite code,chat --num-prompts 8 \
 		--output-len 96 --k auto --temperature 0.7 --draft-vocab 32768 --interleave \
 		--out results/real_pair_t07_wide
+
+# lm-evaluation-harness against the server (bench/lm_eval_check.py, ~2 min after set-up). lm-eval
+# is not a dependency: it gets a venv of its own, which sees .venv's packages through a .pth file
+# (torch and transformers are not installed twice).
+LMEVAL_VENV := .venv-lmeval
+lm-eval-check: $(STAMP)
+	test -x $(LMEVAL_VENV)/bin/lm_eval || { $(PY) -m venv $(LMEVAL_VENV) && \
+		$(VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
+		> "$$($(LMEVAL_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/ssd_jax_venv.pth" && \
+		$(LMEVAL_VENV)/bin/pip install -q "lm_eval[api]==0.4.13"; }
+	$(VENV)/bin/python -m bench.lm_eval_check --lm-eval $(LMEVAL_VENV)/bin/lm_eval
 
 # The shipped draft's whole training pipeline (checkpoints/smollm2-draft/README.md, 59 min on
 # 2 cores before the KV cache became head-major, which makes the batched data stage faster):

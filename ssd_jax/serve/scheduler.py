@@ -64,12 +64,13 @@ class Request:
 
 
 class LogprobEntry(NamedTuple):
-    """One emitted token's log-probability, the top alternatives at its position as
-    ((id, logprob), ...), and where its text starts in the request's text."""
+    """One emitted (or echoed prompt) token's log-probability, the top alternatives at its
+    position as ((id, logprob), ...), and where its text starts in the response's text. An
+    echoed prompt's first token has None for both: nothing predicts it."""
 
     token: int
-    logprob: float
-    top: tuple
+    logprob: float | None
+    top: tuple | None
     text_offset: int
 
 
