@@ -26,6 +26,24 @@ def _require_ints(obj, *names: str) -> None:
             raise ValueError(f"{name}={value!r} is invalid: it must be an integer")
 
 
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """SamplingParams.logit_bias as sorted (id, value) pairs, or a ValueError naming the fix."""
+    pairs = bias.items() if isinstance(bias, dict) else bias
+    try:
+        out = {}
+        for t, v in pairs:
+            if (isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0
+                    or isinstance(v, bool) or not isinstance(v, numbers.Real)
+                    or not math.isfinite(v)):
+                raise TypeError
+            out[int(t)] = float(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"logit_bias={bias!r} is invalid: give {{token id: value}} with "
+                         "non-negative integer ids and finite values, e.g. {50256: -100}"
+                         ) from None
+    return tuple(sorted(out.items()))
+
+
 def _check_seed(seed: int | None) -> None:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
                              or not 0 <= seed < 2**32):
@@ -136,6 +154,9 @@ class SamplingParams:
     # The same for each prompt token after the first (RequestOutput.prompt_logprobs), as
     # vLLM's: what scoring a text (log-likelihood evaluation) needs.
     prompt_logprobs: int | None = None
+    # OpenAI's logit_bias: {token id: value added to the target's logit} (a dict, or pairs;
+    # stored as sorted (id, value) pairs). -100 bans a token in practice, +100 forces it.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         _require_ints(self, "top_k", "max_new_tokens")
@@ -155,6 +176,7 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r} is invalid: give a tuple of "
                              "token ids, e.g. stop_token_ids=(2,)")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if not 0 <= self.top_k < 2**31:  # an int32 inside the programs
             raise ValueError(f"top_k={self.top_k} is invalid: use 0 (off) or a positive count "
                              "below 2**31 (a count past the vocabulary keeps every token)")

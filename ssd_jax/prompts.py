@@ -139,6 +139,12 @@ class Prompts:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, "
                              "or one per prompt")
+        for p in params:
+            bad = [t for t, _ in p.logit_bias if t >= self.config.vocab_size]
+            if bad:
+                raise ValueError(f"logit_bias ids {bad[:5]} are outside the model's vocabulary "
+                                 f"[0, {self.config.vocab_size}): give ids of this model's "
+                                 "tokenizer")
         if draw_seeds:
             # One shared default seed would give every row of a batch the same random stream
             # (identical samples for identical prompts): unseeded requests get their own.

@@ -48,16 +48,19 @@ def chi2_pvalue(counts, probs) -> float:
 
 
 def exact_sequence_probs(hf_model, prompt: list[int], temperature: float, top_p: float,
-                         n_out: int) -> dict[tuple[int, ...], float]:
+                         n_out: int, bias: dict[int, float] | None = None
+                         ) -> dict[tuple[int, ...], float]:
     """P(first n_out tokens after `prompt`) under a (tiny-vocabulary) transformers model, for
-    every sequence: one batched forward over all V^n_out continuations, temperature and top-p
-    applied in float64 numpy."""
+    every sequence: one batched forward over all V^n_out continuations, `bias` (OpenAI's
+    logit_bias) added to the logits, temperature and top-p applied in float64 numpy."""
     import torch
     V = hf_model.config.vocab_size
     seqs = list(itertools.product(range(V), repeat=n_out))
     ids = torch.tensor([list(prompt) + list(s) for s in seqs])
     with torch.no_grad():
         logits = hf_model(ids).logits.double().numpy()[:, len(prompt) - 1:-1]  # [N, n_out, V]
+    for t, v in (bias or {}).items():
+        logits[..., t] += v
     p = np.exp(logits / temperature - (logits / temperature).max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     if top_p < 1:

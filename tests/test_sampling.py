@@ -195,3 +195,19 @@ def test_shape_annotations_are_checked():
         sampling.sample(probs, jnp.ones((3,)))
     with pytest.raises(TypeCheckError):
         sampling.sample(probs, jax.random.split(jax.random.key(0), 2))
+
+
+def test_add_bias_matches_numpy_and_padding_adds_nothing():
+    """logit_bias: each row's (id, value) pairs added at every middle position; a row padded
+    with (0, 0.0) keeps its logits bit for bit (unbiased rows run the same programs)."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 2, 7)).astype(np.float32)
+    ids = np.array([[2, 5, 0], [0, 0, 0], [6, 6, 1]], np.int32)  # row 2 biases id 6 twice
+    vals = np.array([[1.5, -100.0, 0.0], [0.0, 0.0, 0.0], [0.25, 0.5, -2.0]], np.float32)
+    got = np.asarray(sampling.add_bias(jnp.asarray(logits), jnp.asarray(ids), jnp.asarray(vals)))
+    want = logits.copy()
+    for b in range(3):
+        for t, v in zip(ids[b], vals[b]):
+            want[b, :, t] += v
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    assert np.array_equal(got[1], logits[1])

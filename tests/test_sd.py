@@ -75,15 +75,14 @@ def vocab6(tmp_path_factory):
     return load(tp)[0], load(dp)[0], t
 
 
-def _sd_sample_counts(target, draft, prompt, temperature, top_p, n_samples, wrong_rule=None,
-                      monkeypatch=None):
+def _sd_sample_counts(target, draft, prompt, temperature, top_p, n_samples, bias=()):
     llm = LLM(target, draft=draft, spec=SpecConfig(k=2), engine=EngineConfig(
         max_batch=64, max_seq_len=64, prefill_bucket=8, sync_every=4))
     counts = {}
     for start in range(0, n_samples, 64):
         outs = llm.generate([prompt] * 64, [SamplingParams(
             temperature=temperature, top_p=top_p, max_new_tokens=N_OUT, seed=start + i,
-            ignore_eos=True) for i in range(64)], mode="sd")
+            ignore_eos=True, logit_bias=bias) for i in range(64)], mode="sd")
         for o in outs:
             key = tuple(o.token_ids[:N_OUT])
             counts[key] = counts.get(key, 0) + 1
@@ -121,6 +120,67 @@ def test_distribution_test_has_teeth(vocab6, monkeypatch):
     counts = _sd_sample_counts(target, draft, prompt, 1.0, 1.0, 3200)
     jax.clear_caches()
     assert chi2_pvalue(counts, probs) < 1e-3
+
+
+# logit_bias on the 6-token vocabulary: token 1 favoured, token 4 banned (-100: the oracle gives
+# it probability 0, so a single drawn 4 fails the test outright), token 5 pushed down a little.
+BIAS = {1: 1.5, 4: -100.0, 5: -0.7}
+
+
+def test_sampled_sd_with_logit_bias_follows_the_biased_target(vocab6):
+    """The bias moves the target's distribution; the draft proposes without it, so its
+    proposals of the banned token must all be rejected, and the output still follows p."""
+    target, draft, hf_target = vocab6
+    prompt = [1, 2, 3]
+    probs = exact_sequence_probs(hf_target, prompt, 0.9, 1.0, N_OUT, bias=BIAS)
+    counts = _sd_sample_counts(target, draft, prompt, 0.9, 1.0, 3200, bias=BIAS)
+    assert chi2_pvalue(counts, probs) > 1e-3
+    assert chi2_pvalue(counts, exact_sequence_probs(hf_target, prompt, 0.9, 1.0, N_OUT)) < 1e-3
+
+
+def test_logit_bias_test_has_teeth(vocab6, monkeypatch):
+    """Verification that ignores the bias (the prefill's first token still has it): the same
+    test rejects the output."""
+    import jax
+    import ssd_jax.core.target as target_mod
+    target, draft, hf_target = vocab6
+    monkeypatch.setattr(target_mod, "add_bias", lambda logits, ids, bias: logits)
+    jax.clear_caches()
+    probs = exact_sequence_probs(hf_target, [1, 2, 3], 0.9, 1.0, N_OUT, bias=BIAS)
+    counts = _sd_sample_counts(target, draft, [1, 2, 3], 0.9, 1.0, 3200, bias=BIAS)
+    jax.clear_caches()
+    assert chi2_pvalue(counts, probs) < 1e-3
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_greedy_with_logit_bias_equals_a_biased_transformers_loop(tiny_llama, tiny_target,
+                                                                  tiny_draft, mode):
+    """Greedy decoding of argmax(logits + bias), against transformers' forward step by step
+    with the bias added: a favoured token that is not the model's choice, and a banned one
+    that is."""
+    import torch
+    hf = tiny_llama[1]
+    prompt, n = PROMPTS[1], 12
+    with torch.no_grad():
+        plain = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    plain = plain[0, len(prompt):].tolist()
+    bias = {plain[0]: -100.0, 17: 4.0}
+    ids = list(prompt)
+    for _ in range(n):
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1].double()
+        for t, v in bias.items():
+            logits[t] += v
+        ids.append(int(logits.argmax()))
+    want = ids[len(prompt):]
+    assert want != plain and plain[0] not in want
+    llm = LLM(tiny_target, draft=tiny_draft, spec=SpecConfig(k=3, budget=8), engine=ENGINE)
+    out = llm.generate([prompt, PROMPTS[0]], [
+        SamplingParams(max_new_tokens=n, ignore_eos=True, logit_bias=bias),
+        SamplingParams(max_new_tokens=n, ignore_eos=True)], mode=mode)
+    assert out[0].token_ids == want
+    assert out[1].token_ids == llm.generate([PROMPTS[0]], SamplingParams(
+        max_new_tokens=n, ignore_eos=True), mode="ar")[0].token_ids  # its neighbour: unbiased
 
 
 def test_bad_spec_errors(tiny_target, tiny_draft, tmp_path):

@@ -80,11 +80,18 @@ def make_batch(ids: list[list[int]], params: list[SamplingParams], stops: list[l
     stop_ids = np.full((B, width), -1, np.int32)
     for i, s in enumerate(stops):
         stop_ids[i, :len(s)] = s
+    # One width per batch, a power of two: batches whose biases differ in size share programs.
+    bias_w = 1 << (max(1, max(len(p.logit_bias) for p in params)) - 1).bit_length()
+    bias_ids, bias = np.zeros((B, bias_w), np.int32), np.zeros((B, bias_w), np.float32)
+    for i, p in enumerate(params):
+        for j, (t, v) in enumerate(p.logit_bias):
+            bias_ids[i, j], bias[i, j] = t, v
     sampling = RowSampling(
         temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
         top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
         top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
-        keys=jax.vmap(jax.random.key)(jnp.asarray([_seed(p) for p in params], jnp.uint32)))
+        keys=jax.vmap(jax.random.key)(jnp.asarray([_seed(p) for p in params], jnp.uint32)),
+        bias_ids=jnp.asarray(bias_ids), bias=jnp.asarray(bias))
     req = Requests(sampling, jnp.asarray(stop_ids),
                    jnp.asarray([p.max_new_tokens for p in params], jnp.int32))
     return Batch(n=n, tokens=jnp.asarray(tokens),

@@ -32,16 +32,26 @@ from ssd_jax.core.transport import LocalLink
 
 OBSERVE_EVERY = 8
 STOP_WIDTH = 16  # stop ids per request: one width, so every join writes the same shape
+# logit_bias entries per request, likewise (a power of two: make_batch's widths are, so a
+# batch wider than this holds a request with more entries)
+BIAS_WIDTH = 64
+
+
+def _pad(x, width: int, value, what: str):
+    if x.shape[1] > width:
+        raise ValueError(f"more than {width} {what}: at most {width} per request")
+    return jnp.concatenate([x, jnp.full((x.shape[0], width - x.shape[1]), value, x.dtype)],
+                           axis=1)
 
 
 def _live(b: Batch) -> Batch:
-    """A batch as the live batch holds it: sampled programs, stop ids padded to STOP_WIDTH."""
-    stops = b.req.stop_ids
-    if stops.shape[1] > STOP_WIDTH:
-        raise ValueError(f"{stops.shape[1]} stop token ids: at most {STOP_WIDTH} per request")
-    pad = jnp.full((stops.shape[0], STOP_WIDTH - stops.shape[1]), -1, stops.dtype)
-    return replace(b, greedy_only=False,
-                   req=b.req._replace(stop_ids=jnp.concatenate([stops, pad], axis=1)))
+    """A batch as the live batch holds it: sampled programs, stop ids padded to STOP_WIDTH and
+    logit biases to BIAS_WIDTH."""
+    s = b.req.sampling
+    sampling = s._replace(bias_ids=_pad(s.bias_ids, BIAS_WIDTH, 0, "logit_bias entries"),
+                          bias=_pad(s.bias, BIAS_WIDTH, 0.0, "logit_bias entries"))
+    return replace(b, greedy_only=False, req=b.req._replace(
+        stop_ids=_pad(b.req.stop_ids, STOP_WIDTH, -1, "stop token ids"), sampling=sampling))
 
 
 def _put(big, small, slot):

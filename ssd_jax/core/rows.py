@@ -26,6 +26,9 @@ class RowSampling(NamedTuple):
     top_k: Int[Array, " B"]
     top_p: Float[Array, " B"]
     keys: Key[Array, " B"]  # one base key per request; see row_keys
+    # logit_bias as W (id, value) pairs per row, padded with (0, 0.0): sampling.add_bias.
+    bias_ids: Int[Array, "B W"]
+    bias: Float[Array, "B W"]
 
 
 class Requests(NamedTuple):

@@ -25,7 +25,7 @@ from ssd_jax.core.rows import SAMPLE_STREAM, Requests, RowState, advance, row_ke
 from ssd_jax.draft_vocab import DraftModel
 from ssd_jax.models.attention import causal_mask
 from ssd_jax.models.transformer import KVCache, Transformer, commit
-from ssd_jax.sampling import next_token
+from ssd_jax.sampling import add_bias, next_token
 from ssd_jax.sharding import put
 
 
@@ -36,7 +36,7 @@ def _merge(graphdef, params) -> Transformer | DraftModel:
 def _sample(logits: Float[Array, "B V"], req: Requests, positions: Int[Array, " B"]
             ) -> Int[Array, " B"]:
     s = req.sampling
-    return next_token(logits, s.temperature, s.top_k, s.top_p,
+    return next_token(add_bias(logits, s.bias_ids, s.bias), s.temperature, s.top_k, s.top_p,
                       row_keys(s, SAMPLE_STREAM, positions))
 
 

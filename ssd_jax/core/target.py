@@ -20,7 +20,7 @@ from ssd_jax.core.speculation import Outcome, Speculation
 from ssd_jax.core.verify import verify, verify_greedy
 from ssd_jax.models.attention import causal_mask
 from ssd_jax.models.transformer import KVCache, commit
-from ssd_jax.sampling import process_probs
+from ssd_jax.sampling import add_bias, process_probs
 
 
 class TargetState(NamedTuple):
@@ -44,14 +44,16 @@ def verify_step(graphdef, params, state: TargetState, spec: Speculation, req: Re
     positions = rows.lengths[:, None] + jnp.arange(K + 1)
     logits, kv = nnx.merge(graphdef, params)(tokens, positions, state.cache, rows.lengths,
                                              causal_mask(B, K + 1))
+    s = req.sampling
+    biased = add_bias(logits, s.bias_ids, s.bias)  # the distribution the output follows
     if greedy_only:
-        n, t = verify_greedy(logits, spec.tokens)
+        n, t = verify_greedy(biased, spec.tokens)
     else:
-        s = req.sampling
-        p = process_probs(logits, s.temperature, s.top_k, s.top_p)
+        p = process_probs(biased, s.temperature, s.top_k, s.top_p)
         n, t = verify(p, spec.tokens, spec.q, spec.point_mass, s.temperature == 0,
                       row_keys(s, VERIFY_STREAM, rows.lengths))
     new_rows, out = advance(rows, spec.tokens, n, t, req)
+    # Raw log-probabilities (logprobs.py): before the bias, as before temperature.
     lp = None if logprobs is None else token_logprobs(logits, out, logprobs)
     return new_rows, Outcome(n, t), out, kv, lp
 
