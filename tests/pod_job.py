@@ -28,6 +28,7 @@ SERVE_SLOTS = 2
 SERVE_GREEDY = [("w5 w9 w11", 9), ("w20 w21 w22 w23 w24 w25", 14), ("w7 w7 w7", 5),
                 ("w3 w1 w4 w1 w5", 11)]
 SERVE_SAMPLED = ("w40 w41 w42", 12, 7)  # prompt, max_tokens, seed; T = 1
+SERVE_BIAS = {5: 3.0, 9: -100.0, 21: 1.5}  # logit_bias of a greedy request (SERVE_GREEDY[1])
 # An offline SSD batch on the pod in which two rows ask for log-probabilities (one sampled)
 # and one for its prompt's.
 LOGPROBS = [dict(max_new_tokens=12, logprobs=2),
@@ -172,6 +173,8 @@ def serve(llm) -> dict:
     got = {"sampled": complete(prompt, n, temperature=1.0, seed=seed)}
     with ThreadPoolExecutor(len(SERVE_GREEDY)) as pool:
         got["greedy"] = list(pool.map(lambda pn: complete(*pn, temperature=0.0), SERVE_GREEDY))
+    got["biased"] = complete(*SERVE_GREEDY[1], temperature=0.0,
+                             logit_bias={str(t): v for t, v in SERVE_BIAS.items()})
     r = client.completions.create(model="tiny", prompt=SERVE_GREEDY[0][0],
                                   max_tokens=SERVE_GREEDY[0][1], temperature=0.0, logprobs=2,
                                   extra_body={"ignore_eos": True})

@@ -105,6 +105,8 @@ def test_stream_concatenates_to_generate(smollm2):
     (dict(prompts=[[1] * 250], params=SamplingParams(max_new_tokens=10)), "more than the context"),
     (dict(prompts=[[1]] * 5), "exceeds max_batch=4"),
     (dict(prompts=[[1, 999]]), "outside the model's vocabulary"),
+    (dict(prompts=[[1, 2]], params=SamplingParams(logit_bias={999: 1.0})),
+     r"logit_bias ids \[999\] are outside the model's vocabulary"),
     (dict(prompts=[{"role": "user"}]), "chat message .* is invalid"),
     (dict(prompts=[{"role": "bogus", "content": "hi"}]), "chat message .* is invalid"),
     (dict(prompts=[[1, 2], 3.5]), "3.5 is not a prompt"),
@@ -151,6 +153,13 @@ def test_bad_sampling_params():
     with pytest.raises(ValueError, match="seed=-1 is invalid"):
         SamplingParams(seed=-1)
     assert SamplingParams(stop_token_ids=[2, 3]).stop_token_ids == (2, 3)  # hashable
+    for bad in ({-1: 1.0}, {1: float("inf")}, {"a": 1}, 5, {True: 1.0}):
+        with pytest.raises(ValueError, match="logit_bias=.* is invalid: give {token id: value}"):
+            SamplingParams(logit_bias=bad)
+    # A dict or pairs, stored as sorted pairs (hashable; a pod's JSON messages keep them).
+    assert SamplingParams(logit_bias={3: -1, 1: 2.5}).logit_bias == ((1, 2.5), (3, -1.0))
+    assert SamplingParams(logit_bias=[[3, -1.0], [1, 2.5]]) == SamplingParams(
+        logit_bias={1: 2.5, 3: -1.0})
 
 
 def test_bad_configs():

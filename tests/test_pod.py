@@ -29,7 +29,7 @@ from ssd_jax import LLM, EngineConfig, SamplingParams
 from ssd_jax.config import SpecConfig
 from tests.conftest import save_noisy_draft, with_word_tokenizer
 from tests.oracles import token_logprobs
-from tests.pod_job import (LOGPROBS, PROMPTS, SAMPLED_SEEDS, SECOND, SERVE_GREEDY,
+from tests.pod_job import (LOGPROBS, PROMPTS, SAMPLED_SEEDS, SECOND, SERVE_BIAS, SERVE_GREEDY,
                            SERVE_SAMPLED, SERVE_SLOTS)
 
 JOB = str(Path(__file__).with_name("pod_job.py"))
@@ -71,6 +71,10 @@ def _served_oracle(ar: LLM, ssd: LLM) -> dict:
     gives it alone (the same rounds, hence the same speculations and random draws)."""
     greedy = [ar.generate(p, SamplingParams(max_new_tokens=n, ignore_eos=True), mode="ar",
                           chat=False)[0].text for p, n in SERVE_GREEDY]
+    p, n = SERVE_GREEDY[1]
+    biased = ar.generate(p, SamplingParams(max_new_tokens=n, ignore_eos=True,
+                                           logit_bias=SERVE_BIAS), mode="ar", chat=False)[0].text
+    assert biased != greedy[1]  # the bias changes the answer
     prompt, n, seed = SERVE_SAMPLED
     ids = ssd.prompts.encode(prompt, chat=False)
     live, _ = ssd.core.live("ssd", SERVE_SLOTS, ssd.spec)
@@ -78,7 +82,7 @@ def _served_oracle(ar: LLM, ssd: LLM) -> dict:
     tokens = [live.join(0, ids, params, [])[0]]
     while len(tokens) < n:
         tokens += [int(t) for t in live.step()[0][0] if t >= 0]
-    return dict(greedy=greedy, sampled=ssd.prompts.text(tokens[:n]))
+    return dict(greedy=greedy, sampled=ssd.prompts.text(tokens[:n]), biased=biased)
 
 
 def _launch(processes: int, devices: int, *job_args: str) -> subprocess.Popen:
@@ -133,6 +137,7 @@ def _check(got: dict, oracle: dict) -> None:
     served = got["served"]
     assert served["greedy"] == oracle["served"]["greedy"]
     assert served["sampled"] == oracle["served"]["sampled"]
+    assert served["biased"] == oracle["served"]["biased"]  # logit_bias crossed to the followers
     assert served["stopped"]  # the server's shutdown stopped its decode thread
     _check_logprobs(got, oracle)
 

@@ -379,6 +379,32 @@ def test_stop_token_ids_end_the_answer(served):
         assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text
 
 
+def test_logit_bias_moves_the_answer(served):
+    """OpenAI's logit_bias: the served answer equals offline generate with the same bias (a
+    banned token that greedy would pick, a favoured one); bad entries are 400s naming it."""
+    import httpx
+    from ssd_jax import SamplingParams
+    server, url, want = served
+    p = PROMPTS[5]
+    text, n, _ = want["long", p]
+    llm = server.llm
+    plain = llm.generate(p, SamplingParams(max_new_tokens=n, ignore_eos=True), mode="ar",
+                         chat=False)[0].token_ids
+    bias = {plain[0]: -100.0, next(t for t in plain if t != plain[0]): 2.0}
+    offline = llm.generate(p, SamplingParams(max_new_tokens=n, ignore_eos=True, logit_bias=bias),
+                           mode="ar", chat=False)[0]
+    assert offline.token_ids != plain and plain[0] not in offline.token_ids
+    r = _client(url).completions.create(
+        model=MODEL, prompt=p, max_tokens=n, temperature=0,
+        logit_bias={str(t): v for t, v in bias.items()}, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == offline.text
+    for bad in ({"x": 1}, {"5": 101}, {"5": True}, [1], {str(i): 1 for i in range(65)},
+                {str(10**7): 1}):
+        e = httpx.post(url + "/v1/completions", timeout=30, json={
+            "model": MODEL, "prompt": p, "max_tokens": 2, "logit_bias": bad})
+        assert e.status_code == 400 and e.json()["error"]["param"] == "logit_bias", e.text
+
+
 def test_requests_without_max_tokens_get_the_context_left(served):
     """As vLLM's and llama.cpp's servers: no max_tokens means up to the end of the context;
     a prompt that leaves no room is a 400 on the prompt, in the server's own terms."""

@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 
 from ssd_jax.config import MAX_LOGPROBS, SamplingParams
+from ssd_jax.core.live import BIAS_WIDTH  # logit_bias entries a request may give
 
 
 class APIError(Exception):
@@ -74,7 +75,7 @@ FIELDS = {"completion": COMMON | {"prompt", "echo", "best_of", "suffix"},
 # Fields whose only supported value is "off": (field, the values that mean off).
 OFF = {"best_of": (None, 1),
        "presence_penalty": (None, 0, 0.0),
-       "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "suffix": (None, ""),
+       "frequency_penalty": (None, 0, 0.0), "suffix": (None, ""),
        "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
        "response_format": (None, {"type": "text"})}
 
@@ -193,7 +194,8 @@ def parse(kind: str, body, *, model_name: str, encode) -> list[Job]:
             top_p=_number(body, "top_p", float, 1.0, 0.0, 1.0),
             top_k=_number(body, "top_k", int, 0, 0),
             max_new_tokens=max_tokens or 1, seed=None if seed is None else seed % 2**32,
-            ignore_eos=_flag(body, "ignore_eos"), stop_token_ids=_token_ids(body))
+            ignore_eos=_flag(body, "ignore_eos"), stop_token_ids=_token_ids(body),
+            logit_bias=_logit_bias(body))
     except ValueError as e:
         msg = str(e).splitlines()[0]
         raise APIError(400, msg, next((f for f in ("top_k", "top_p", "temperature")
@@ -223,6 +225,26 @@ def _token_ids(body: dict) -> tuple[int, ...]:
         raise APIError(400, f"'stop_token_ids' must be a list of token ids (non-negative "
                             f"integers), got {ids!r}", "stop_token_ids")
     return tuple(ids)
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's logit_bias: {"token id": value in [-100, 100]} (JSON keys are strings)."""
+    bias = body.get("logit_bias") or {}
+    if not isinstance(bias, dict):
+        raise APIError(400, f"'logit_bias' must be an object of token id -> bias, got {bias!r}",
+                       "logit_bias")
+    if len(bias) > BIAS_WIDTH:
+        raise APIError(400, f"'logit_bias' has {len(bias)} entries: this server takes at most "
+                            f"{BIAS_WIDTH}", "logit_bias")
+    out = {}
+    for k, v in bias.items():
+        if not (isinstance(k, str) and k.isdigit()) or isinstance(v, bool) \
+                or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise APIError(400, f"'logit_bias' entry {k!r}: {v!r} is invalid: give token ids "
+                                "(non-negative integers) mapped to numbers in [-100, 100]",
+                           "logit_bias")
+        out[int(k)] = float(v)
+    return out
 
 
 def _logprobs(kind: str, body: dict) -> int | None:

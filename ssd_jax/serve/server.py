@@ -122,9 +122,11 @@ class Server:
                                    f"({self.max_logprobs}): ask for fewer, or start it with a "
                                    "larger --max-logprobs"), name)
         vocab = self.llm.config.vocab_size
-        if any(t >= vocab for t in job.params.stop_token_ids):
-            raise APIError(400, f"'stop_token_ids' holds ids past the vocabulary ({vocab} "
-                                "tokens): give ids below that", "stop_token_ids")
+        for name, ids in (("stop_token_ids", job.params.stop_token_ids),
+                          ("logit_bias", [t for t, _ in job.params.logit_bias])):
+            if any(t >= vocab for t in ids):
+                raise APIError(400, f"'{name}' holds ids past the vocabulary ({vocab} tokens): "
+                                    "give ids below that", name)
         cfg, k = self.llm.engine, self.spec.k or 0
         limit, slack = context_room(cfg, self.llm.config.max_position_embeddings, self.mode, k)
         field = "messages" if job.kind == "chat" else "prompt"
