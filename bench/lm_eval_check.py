@@ -39,33 +39,28 @@ MC = [("What is the capital of France?", ["Paris", "London", "Rome", "Berlin"], 
       ("What colour is the sky on a clear day?", ["green", "blue", "red", "black"], 1)]
 GEN = [("The capital of France is", "Paris"), ("One, two, three,", "four"),
        ("The opposite of hot is", "cold"), ("def add(a, b):\n    return", "a + b")]
-MC_TASK = """task: ssd_mc
+TASK_HEAD = """task: {name}
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {dir}/mc.jsonl
+    test: {data}
 test_split: test
-output_type: multiple_choice
-doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
+"""
+MC_TASK = """output_type: multiple_choice
+doc_to_text: "Question: {{question}}\\nAnswer:"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{answer}}"
 metric_list:
   - metric: acc
     aggregation: mean
     higher_is_better: true
 """
-GEN_TASK = """task: ssd_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {dir}/gen.jsonl
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{prompt}}}}"
-doc_to_target: "{{{{target}}}}"
+GEN_TASK = """output_type: generate_until
+doc_to_text: "{{prompt}}"
+doc_to_target: "{{target}}"
 generation_kwargs:
   until: ["\\n"]
-  max_gen_toks: {max_tokens}
+  max_gen_toks: %d
   do_sample: false
 metric_list:
   - metric: exact_match
@@ -99,8 +94,11 @@ def write_inputs(work: Path, max_tokens: int) -> Path:
     with open(tasks / "gen.jsonl", "w") as f:
         for prompt, target in GEN:
             f.write(json.dumps(dict(prompt=prompt, target=target)) + "\n")
-    (tasks / "ssd_mc.yaml").write_text(MC_TASK.format(dir=tasks))
-    (tasks / "ssd_gen.yaml").write_text(GEN_TASK.format(dir=tasks, max_tokens=max_tokens))
+    (tasks / "ssd_mc.yaml").write_text(TASK_HEAD.format(name="ssd_mc", data=tasks / "mc.jsonl")
+                                       + MC_TASK)
+    (tasks / "ssd_gen.yaml").write_text(TASK_HEAD.format(name="ssd_gen",
+                                                         data=tasks / "gen.jsonl")
+                                        + GEN_TASK % max_tokens)
     gguf = smollm2_gguf()
     transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(
         work / "tokenizer")
