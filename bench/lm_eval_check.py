@@ -12,7 +12,9 @@ and each generation as transformers' greedy continuation cut at the stop string.
 
 lm-eval is not a dependency of ssd-jax: install it in a virtual environment of its own
 (`pip install "lm_eval[api]"`) and pass its executable with --lm-eval. Nothing is downloaded:
-the tasks read local files, and the tokenizer lm-eval uses is written from the GGUF.
+the tasks read local files, and lm-eval tokenizes through the server's /tokenize and
+/detokenize (`tokenizer_backend=remote`; `--tokenizer hf` gives it a Hugging Face tokenizer
+written from the GGUF instead). The oracle tokenizes with transformers' own tokenizer.
 
     python -m bench.lm_eval_check --lm-eval /path/to/venv/bin/lm_eval
 """
@@ -78,14 +80,22 @@ def parser() -> argparse.ArgumentParser:
     a("--mode", default="ssd", choices=["ar", "sd", "ssd"])
     a("--batch-size", type=int, default=4, help="prompts per request lm-eval sends")
     a("--max-tokens", type=int, default=16, help="generation task's max_gen_toks")
+    a("--tokenizer", default="remote", choices=["remote", "hf"],
+      help="lm-eval's tokenizer: the server's endpoints, or an HF copy from the GGUF")
     a("--out", default=None, help="directory for lm-eval's output (default: a temporary one)")
     return ap
 
 
-def write_inputs(work: Path, max_tokens: int) -> Path:
-    """The two tasks and their data, and an HF tokenizer directory from the GGUF."""
+def hf_tokenizer():
     import transformers
     from ssd_jax.loading import smollm2_gguf
+    gguf = smollm2_gguf()
+    return transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def write_inputs(work: Path, max_tokens: int) -> Path:
+    """The two tasks and their data, and an HF tokenizer directory from the GGUF (used with
+    --tokenizer hf)."""
     tasks = work / "tasks"
     tasks.mkdir(parents=True, exist_ok=True)
     with open(tasks / "mc.jsonl", "w") as f:
@@ -99,18 +109,17 @@ def write_inputs(work: Path, max_tokens: int) -> Path:
     (tasks / "ssd_gen.yaml").write_text(TASK_HEAD.format(name="ssd_gen",
                                                          data=tasks / "gen.jsonl")
                                         + GEN_TASK % max_tokens)
-    gguf = smollm2_gguf()
-    transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(
-        work / "tokenizer")
+    hf_tokenizer().save_pretrained(work / "tokenizer")
     return tasks
 
 
 def run_lm_eval(args, url: str, work: Path, tasks: Path) -> dict[str, list[dict]]:
     """lm_eval's per-sample records, by task."""
     out = Path(args.out or work / "out")
-    model_args = (f"model=smollm2,base_url={url}/v1/completions,tokenizer={work / 'tokenizer'},"
-                  "tokenizer_backend=huggingface,tokenized_requests=True,max_retries=1,"
-                  "num_concurrent=1")
+    tokenizer = ("tokenizer_backend=remote" if args.tokenizer == "remote" else
+                 f"tokenizer={work / 'tokenizer'},tokenizer_backend=huggingface")
+    model_args = (f"model=smollm2,base_url={url}/v1/completions,{tokenizer},"
+                  "tokenized_requests=True,max_retries=1,num_concurrent=1")
     cmd = [args.lm_eval, "--model", "local-completions", "--model_args", model_args,
            "--tasks", "ssd_mc,ssd_gen", "--include_path", str(tasks),
            "--batch_size", str(args.batch_size), "--output_path", str(out), "--log_samples"]
@@ -130,17 +139,17 @@ def run_lm_eval(args, url: str, work: Path, tasks: Path) -> dict[str, list[dict]
 
 
 class Oracle:
-    """transformers' SmolLM2 from the same GGUF, and the tokenizer lm-eval used."""
+    """transformers' SmolLM2 and its tokenizer, from the same GGUF."""
 
-    def __init__(self, work: Path):
+    def __init__(self):
         import torch
         import transformers
         from ssd_jax.loading import smollm2_gguf
         gguf = smollm2_gguf()
         self.torch = torch
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32).eval()
-        self.tok = transformers.AutoTokenizer.from_pretrained(work / "tokenizer")
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+        self.tok = hf_tokenizer()
 
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """As lm-eval's TemplateLM._encode_pair: trailing spaces of the context move to the
@@ -206,14 +215,14 @@ def main(argv=None) -> int:
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
-        report = compare(samples, Oracle(work), args.max_tokens)
+        report = compare(samples, Oracle(), args.max_tokens)
     print(json.dumps(report, indent=1))
     ok = report["within_atol"] and report["generations_equal"] == report["generations"]
     print(f"lm_eval_check: {'OK' if ok else 'MISMATCH'}: {report['loglikelihoods']} "
           f"log-likelihoods within {report['max_abs_diff']:.2e} nats of transformers' "
           f"(is_greedy agrees {report['is_greedy_agree']}), {report['generations_equal']}/"
           f"{report['generations']} generations equal transformers' greedy ({args.mode}, "
-          f"lm-eval batch size {args.batch_size})")
+          f"lm-eval batch size {args.batch_size}, {args.tokenizer} tokenizer)")
     return 0 if ok else 1
 
 

@@ -157,9 +157,15 @@ class SamplingParams:
     # OpenAI's logit_bias: {token id: value added to the target's logit} (a dict, or pairs;
     # stored as sorted (id, value) pairs). -100 bans a token in practice, +100 forces it.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's min_tokens: the first min_tokens tokens of the answer are never a stop token
+    # (EOS or stop_token_ids); 0: off.
+    min_tokens: int = 0
 
     def __post_init__(self):
-        _require_ints(self, "top_k", "max_new_tokens")
+        _require_ints(self, "top_k", "max_new_tokens", "min_tokens")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} is invalid: it must lie in [0, "
+                             f"max_new_tokens={self.max_new_tokens}]")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)

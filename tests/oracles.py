@@ -48,11 +48,13 @@ def chi2_pvalue(counts, probs) -> float:
 
 
 def exact_sequence_probs(hf_model, prompt: list[int], temperature: float, top_p: float,
-                         n_out: int, bias: dict[int, float] | None = None
+                         n_out: int, bias: dict[int, float] | None = None,
+                         no_stop: tuple[list[int], int] = ((), 0)
                          ) -> dict[tuple[int, ...], float]:
     """P(first n_out tokens after `prompt`) under a (tiny-vocabulary) transformers model, for
     every sequence: one batched forward over all V^n_out continuations, `bias` (OpenAI's
-    logit_bias) added to the logits, temperature and top-p applied in float64 numpy."""
+    logit_bias) added to the logits, `no_stop` = (ids, m) banned from the first m tokens
+    (vLLM's min_tokens), temperature and top-p applied in float64 numpy."""
     import torch
     V = hf_model.config.vocab_size
     seqs = list(itertools.product(range(V), repeat=n_out))
@@ -61,6 +63,9 @@ def exact_sequence_probs(hf_model, prompt: list[int], temperature: float, top_p:
         logits = hf_model(ids).logits.double().numpy()[:, len(prompt) - 1:-1]  # [N, n_out, V]
     for t, v in (bias or {}).items():
         logits[..., t] += v
+    ids_banned, m = no_stop
+    for t in ids_banned:
+        logits[:, :m, t] = -np.inf
     p = np.exp(logits / temperature - (logits / temperature).max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     if top_p < 1:

@@ -156,6 +156,8 @@ def test_bad_sampling_params():
     for bad in ({-1: 1.0}, {1: float("inf")}, {"a": 1}, 5, {True: 1.0}):
         with pytest.raises(ValueError, match="logit_bias=.* is invalid: give {token id: value}"):
             SamplingParams(logit_bias=bad)
+    with pytest.raises(ValueError, match=r"min_tokens=5 is invalid: it must lie in \[0, "):
+        SamplingParams(min_tokens=5, max_new_tokens=2)
     # A dict or pairs, stored as sorted pairs (hashable; a pod's JSON messages keep them).
     assert SamplingParams(logit_bias={3: -1, 1: 2.5}).logit_bias == ((1, 2.5), (3, -1.0))
     assert SamplingParams(logit_bias=[[3, -1.0], [1, 2.5]]) == SamplingParams(

@@ -144,7 +144,10 @@ def test_logit_bias_test_has_teeth(vocab6, monkeypatch):
     import jax
     import ssd_jax.core.target as target_mod
     target, draft, hf_target = vocab6
-    monkeypatch.setattr(target_mod, "add_bias", lambda logits, ids, bias: logits)
+    unbiased = target_mod.target_logits
+    monkeypatch.setattr(target_mod, "target_logits", lambda logits, req, first: unbiased(
+        logits, req._replace(sampling=req.sampling._replace(bias=req.sampling.bias * 0)),
+        first))
     jax.clear_caches()
     probs = exact_sequence_probs(hf_target, [1, 2, 3], 0.9, 1.0, N_OUT, bias=BIAS)
     counts = _sd_sample_counts(target, draft, [1, 2, 3], 0.9, 1.0, 3200, bias=BIAS)
@@ -181,6 +184,51 @@ def test_greedy_with_logit_bias_equals_a_biased_transformers_loop(tiny_llama, ti
     assert out[0].token_ids == want
     assert out[1].token_ids == llm.generate([PROMPTS[0]], SamplingParams(
         max_new_tokens=n, ignore_eos=True), mode="ar")[0].token_ids  # its neighbour: unbiased
+
+
+def test_sampled_sd_with_min_tokens_follows_the_target(vocab6):
+    """min_tokens=2 with stop id 2: the first two tokens are never 2 (the target's law with 2
+    masked there), the third may be, and the draft's proposals of 2 are all rejected."""
+    target, draft, hf_target = vocab6
+    llm = LLM(target, draft=draft, spec=SpecConfig(k=2), engine=EngineConfig(
+        max_batch=64, max_seq_len=64, prefill_bucket=8, sync_every=4))
+    counts = {}
+    for start in range(0, 3200, 64):
+        for o in llm.generate([[1, 2, 3]] * 64, [SamplingParams(
+                temperature=1.0, max_new_tokens=N_OUT, seed=start + i, ignore_eos=True,
+                stop_token_ids=(2,), min_tokens=2) for i in range(64)], mode="sd"):
+            counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    probs = exact_sequence_probs(hf_target, [1, 2, 3], 1.0, 1.0, N_OUT, no_stop=([2], 2))
+    assert chi2_pvalue(counts, probs) > 1e-3
+    assert any(k[2] == 2 for k in counts)  # the third token may stop
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_greedy_min_tokens_equals_a_masked_transformers_loop(tiny_llama, tiny_target,
+                                                             tiny_draft, mode):
+    """A stop id that greedy would emit second: with min_tokens=5 it is masked for the first
+    five tokens, then may end the answer (transformers' forward, step by step)."""
+    import torch
+    hf = tiny_llama[1]
+    prompt, n = PROMPTS[2], 16
+    with torch.no_grad():
+        plain = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    stop = plain[0, len(prompt) + 1].item()
+    ids = list(prompt)
+    for j in range(1, n + 1):
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1].double()
+        if j <= 5:
+            logits[stop] = -np.inf
+        ids.append(int(logits.argmax()))
+        if ids[-1] == stop:
+            break
+    want = ids[len(prompt):]
+    assert stop not in want[:5] and len(want) > 2
+    llm = LLM(tiny_target, draft=tiny_draft, spec=SpecConfig(k=3, budget=8), engine=ENGINE)
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True,
+                                                stop_token_ids=(stop,), min_tokens=5), mode=mode)
+    assert out[0].token_ids == want
 
 
 def test_bad_spec_errors(tiny_target, tiny_draft, tmp_path):

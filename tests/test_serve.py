@@ -405,6 +405,58 @@ def test_logit_bias_moves_the_answer(served):
         assert e.status_code == 400 and e.json()["error"]["param"] == "logit_bias", e.text
 
 
+def test_tokenizer_endpoints_as_vllm_has_them(served):
+    """POST /tokenize (text or chat messages), POST /detokenize, GET /tokenizer_info: the
+    server's own tokenizer, as completions and chat encode; bad bodies are 400s."""
+    import httpx
+    server, url, _ = served
+    prompts = server.llm.prompts
+    text = "Hello, world! 1234"
+    r = httpx.post(url + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+    assert r["tokens"] == prompts.tokenizer.encode(text, add_special_tokens=False)
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 512
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    r = httpx.post(url + "/tokenize", json={"messages": messages}).json()
+    assert r["tokens"] == prompts.encode(messages, chat=True)
+    r = httpx.post(url + "/detokenize", json={"tokens": r["tokens"]}).json()
+    assert PROMPTS[0] in r["prompt"]
+    info = httpx.get(url + "/tokenizer_info").json()
+    eos = prompts.tokenizer.eos_token_ids[0]
+    assert httpx.post(url + "/tokenize", json={"prompt": info["eos_token"],
+                                               "add_special_tokens": False}).json()["tokens"] == [eos]
+    assert info["chat_template"] == prompts.tokenizer.chat_template
+    for path, body, field in [("/tokenize", {}, "prompt"),
+                              ("/tokenize", {"messages": [{"role": "bogus"}]}, "messages"),
+                              ("/detokenize", {"tokens": [10**7]}, "tokens"),
+                              ("/detokenize", {"tokens": "12"}, "tokens")]:
+        e = httpx.post(url + path, json=body)
+        assert e.status_code == 400 and e.json()["error"]["param"] == field, e.text
+
+
+def test_min_tokens_holds_the_stop_back(served):
+    """vLLM's min_tokens: a stop token id the answer would end at is held back for the first
+    min_tokens tokens, as offline generate does; more than max_tokens is a 400 naming it."""
+    import httpx
+    from ssd_jax import SamplingParams
+    server, url, want = served
+    p = PROMPTS[3]
+    _, n, _ = want["long", p]
+    ids = server.llm.generate(p, SamplingParams(max_new_tokens=n, ignore_eos=True), mode="ar",
+                              chat=False)[0].token_ids
+    stop = ids[2]
+    kw = dict(max_new_tokens=n, ignore_eos=True, stop_token_ids=(stop,), min_tokens=6)
+    offline = server.llm.generate(p, SamplingParams(**kw), mode="ar", chat=False)[0]
+    assert stop not in offline.token_ids[:6] and offline.token_ids != ids[:3]
+    r = _client(url).completions.create(model=MODEL, prompt=p, max_tokens=n, temperature=0,
+                                        extra_body={"ignore_eos": True, "min_tokens": 6,
+                                                    "stop_token_ids": [stop]})
+    assert r.choices[0].text == offline.text
+    assert r.usage.completion_tokens == len(offline.token_ids)
+    e = httpx.post(url + "/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": p, "max_tokens": 2, "min_tokens": 3})
+    assert e.status_code == 400 and e.json()["error"]["param"] == "min_tokens", e.text
+
+
 def test_requests_without_max_tokens_get_the_context_left(served):
     """As vLLM's and llama.cpp's servers: no max_tokens means up to the end of the context;
     a prompt that leaves no room is a 400 on the prompt, in the server's own terms."""

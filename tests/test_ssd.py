@@ -83,14 +83,14 @@ def vocab6_noisy(vocab6, tmp_path_factory):
     return vocab6[0], load(dp)[0], vocab6[2]
 
 
-def _ssd_counts(target, draft, spec, n_samples, temperature=1.0, top_p=1.0, bias=()):
+def _ssd_counts(target, draft, spec, n_samples, temperature=1.0, top_p=1.0, **params):
     llm = LLM(target, draft=draft, spec=spec, engine=EngineConfig(
         max_batch=64, max_seq_len=64, prefill_bucket=8, sync_every=4))
     counts, hits, rounds = {}, 0, 0
     for start in range(0, n_samples, 64):
         outs = llm.generate([[1, 2, 3]] * 64, [SamplingParams(
             temperature=temperature, top_p=top_p, max_new_tokens=N_OUT, seed=start + i,
-            ignore_eos=True, logit_bias=bias) for i in range(64)], mode="ssd")
+            ignore_eos=True, **params) for i in range(64)], mode="ssd")
         for o in outs:
             counts[tuple(o.token_ids[:N_OUT])] = counts.get(tuple(o.token_ids[:N_OUT]), 0) + 1
         hits += outs[0].metrics.ssd.hits
@@ -146,9 +146,23 @@ def test_sampled_ssd_with_logit_bias(vocab6):
     bias = {1: 1.5, 4: -100.0, 5: -0.7}
     probs = exact_sequence_probs(hf_target, [1, 2, 3], 0.9, 1.0, N_OUT, bias=bias)
     counts, (hits, rounds) = _ssd_counts(target, draft, SpecConfig(k=2, c=0.5, budget=4), 3200,
-                                         0.9, bias=bias)
+                                         0.9, logit_bias=bias)
     assert 0 < hits < rounds
     assert chi2_pvalue(counts, probs) > 1e-3
+
+
+def test_sampled_ssd_with_min_tokens(vocab6):
+    """min_tokens=2 with stop id 2: masked in the target's first two positions; a row may stop
+    at its third token (frozen mid-round), so the law compared is the first three tokens'."""
+    target, draft, hf_target = vocab6
+    probs = exact_sequence_probs(hf_target, [1, 2, 3], 1.0, 1.0, 3, no_stop=([2], 2))
+    counts, _ = _ssd_counts(target, draft, SpecConfig(k=2, c=0.5, budget=4), 3200,
+                            stop_token_ids=(2,), min_tokens=2)
+    first3: dict = {}
+    for seq, c in counts.items():
+        first3[seq[:3]] = first3.get(seq[:3], 0) + c
+    assert any(seq[2] == 2 for seq in first3)  # the third token may stop
+    assert chi2_pvalue(first3, probs) > 1e-3
 
 
 @pytest.mark.parametrize("backup", ["neural", "fast"])
@@ -183,7 +197,8 @@ def _draft_state(runner, prompt, last, spec, fan, temperature):
     req = Requests(RowSampling(jnp.full(B, temperature), jnp.zeros(B, jnp.int32), jnp.ones(B),
                                jax.vmap(jax.random.key)(jnp.arange(B, dtype=jnp.uint32)),
                                jnp.zeros((B, 1), jnp.int32), jnp.zeros((B, 1))),
-                   jnp.full((B, 1), -1, jnp.int32), jnp.full((B,), 100, jnp.int32))
+                   jnp.full((B, 1), -1, jnp.int32), jnp.full((B,), 100, jnp.int32),
+                   jnp.zeros((B,), jnp.int32))
     return ds, req
 
 

@@ -93,7 +93,8 @@ def make_batch(ids: list[list[int]], params: list[SamplingParams], stops: list[l
         keys=jax.vmap(jax.random.key)(jnp.asarray([_seed(p) for p in params], jnp.uint32)),
         bias_ids=jnp.asarray(bias_ids), bias=jnp.asarray(bias))
     req = Requests(sampling, jnp.asarray(stop_ids),
-                   jnp.asarray([p.max_new_tokens for p in params], jnp.int32))
+                   jnp.asarray([p.max_new_tokens for p in params], jnp.int32),
+                   jnp.asarray([p.min_tokens for p in params], jnp.int32))
     return Batch(n=n, tokens=jnp.asarray(tokens),
                  prompt_len=jnp.asarray([len(t) for t in ids], jnp.int32), req=req,
                  greedy_only=all(p.temperature == 0 for p in params[:n]),

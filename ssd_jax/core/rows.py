@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Key
 
+from ssd_jax.sampling import add_bias
+
 # Key streams per row: target sampling, draft proposals and verification draw independent
 # randomness, each indexed by position so a row's samples do not depend on its neighbours.
 SAMPLE_STREAM, DRAFT_STREAM, VERIFY_STREAM = 10, 11, 12
@@ -37,6 +39,9 @@ class Requests(NamedTuple):
     sampling: RowSampling
     stop_ids: Int[Array, "B S"]  # -1 padded
     max_new: Int[Array, " B"]
+    # vLLM's min_tokens: the first min_new tokens of an answer are never a stop id
+    # (target_logits masks them there).
+    min_new: Int[Array, " B"]
 
 
 class RowState(NamedTuple):
@@ -58,6 +63,23 @@ def row_keys(sampling: RowSampling, stream: int, positions: Int[Array, " B"]) ->
     """The key of a row's draw at a position: a function of the request's seed alone."""
     return jax.vmap(lambda k, p: jax.random.fold_in(jax.random.fold_in(k, stream), p))(
         sampling.keys, positions)
+
+
+def target_logits(logits: Float[Array, "B S V"], req: Requests, first: Int[Array, " B"]
+                  ) -> Float[Array, "B S V"]:
+    """The logits whose distribution the output follows: the raw logits plus each row's
+    logit_bias, with the row's stop ids at -inf where position s would emit answer token
+    number first + s (1-based) <= min_tokens. Only the target's logits go through this: the
+    draft may propose anything, and verification against these stays exact."""
+    s = req.sampling
+    logits = add_bias(logits, s.bias_ids, s.bias)
+    S = logits.shape[1]
+    early = (first[:, None] + jnp.arange(S)) <= req.min_new[:, None]  # [B, S]
+    B, V = logits.shape[0], logits.shape[-1]
+    # A scatter-max, so the -1 padding (sent to id 0 with value 0) marks nothing.
+    is_stop_id = jnp.zeros((B, V), jnp.int32).at[jnp.arange(B)[:, None], jnp.maximum(
+        req.stop_ids, 0)].max((req.stop_ids >= 0).astype(jnp.int32)) > 0
+    return jnp.where(early[:, :, None] & is_stop_id[:, None, :], -jnp.inf, logits)
 
 
 def is_stop(tokens: Int[Array, " B"], stop_ids: Int[Array, "B S"]) -> Bool[Array, " B"]:

@@ -21,11 +21,12 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ssd_jax.config import ModelConfig
 from ssd_jax.core.logprobs import TokenLogprobs, token_logprobs
-from ssd_jax.core.rows import SAMPLE_STREAM, Requests, RowState, advance, row_keys, start_rows
+from ssd_jax.core.rows import (SAMPLE_STREAM, Requests, RowState, advance, row_keys, start_rows,
+                               target_logits)
 from ssd_jax.draft_vocab import DraftModel
 from ssd_jax.models.attention import causal_mask
 from ssd_jax.models.transformer import KVCache, Transformer, commit
-from ssd_jax.sampling import add_bias, next_token
+from ssd_jax.sampling import next_token
 from ssd_jax.sharding import put
 
 
@@ -33,11 +34,12 @@ def _merge(graphdef, params) -> Transformer | DraftModel:
     return nnx.merge(graphdef, params)
 
 
-def _sample(logits: Float[Array, "B V"], req: Requests, positions: Int[Array, " B"]
-            ) -> Int[Array, " B"]:
+def _sample(logits: Float[Array, "B V"], req: Requests, positions: Int[Array, " B"],
+            number: Int[Array, " B"]) -> Int[Array, " B"]:
+    """Draw answer token `number` (1-based) of each row from rows.target_logits."""
     s = req.sampling
-    return next_token(add_bias(logits, s.bias_ids, s.bias), s.temperature, s.top_k, s.top_p,
-                      row_keys(s, SAMPLE_STREAM, positions))
+    return next_token(target_logits(logits[:, None], req, number)[:, 0], s.temperature, s.top_k,
+                      s.top_p, row_keys(s, SAMPLE_STREAM, positions))
 
 
 @partial(jax.jit, static_argnames=("graphdef",))
@@ -81,7 +83,7 @@ def prefill(graphdef, params, tokens: Int[Array, "B T"], prompt_len: Int[Array, 
     model = _merge(graphdef, params)
     x, new_kv = model.hidden(tokens, positions, cache, no_prefix, causal_mask(B, T))
     logits = model.head(x, (prompt_len - 1)[:, None])
-    first = _sample(logits[:, 0], req, prompt_len)
+    first = _sample(logits[:, 0], req, prompt_len, jnp.ones_like(prompt_len))
     lp = None
     if logprobs is not None and prompt_logprobs:
         nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], axis=1)
@@ -102,7 +104,7 @@ def decode_step(graphdef, params, rows: RowState, cache: KVCache, req: Requests,
     B = rows.last.shape[0]
     logits, new_kv = _merge(graphdef, params)(rows.last[:, None], rows.lengths[:, None], cache,
                                               rows.lengths, jnp.ones((B, 1, 1), bool))
-    nxt = _sample(logits[:, 0], req, rows.lengths + 1)
+    nxt = _sample(logits[:, 0], req, rows.lengths + 1, rows.generated + 1)
     new, _ = advance(rows, jnp.zeros((B, 0), jnp.int32), jnp.zeros_like(nxt), nxt, req)
     lp = None if logprobs is None else token_logprobs(logits, nxt[:, None], logprobs)
     return new, new_kv, lp

@@ -15,12 +15,13 @@ from flax import nnx
 from jaxtyping import Array, Int
 
 from ssd_jax.core.logprobs import TokenLogprobs, token_logprobs
-from ssd_jax.core.rows import VERIFY_STREAM, Requests, RowState, advance, row_keys
+from ssd_jax.core.rows import (VERIFY_STREAM, Requests, RowState, advance, row_keys,
+                               target_logits)
 from ssd_jax.core.speculation import Outcome, Speculation
 from ssd_jax.core.verify import verify, verify_greedy
 from ssd_jax.models.attention import causal_mask
 from ssd_jax.models.transformer import KVCache, commit
-from ssd_jax.sampling import add_bias, process_probs
+from ssd_jax.sampling import process_probs
 
 
 class TargetState(NamedTuple):
@@ -45,7 +46,9 @@ def verify_step(graphdef, params, state: TargetState, spec: Speculation, req: Re
     logits, kv = nnx.merge(graphdef, params)(tokens, positions, state.cache, rows.lengths,
                                              causal_mask(B, K + 1))
     s = req.sampling
-    biased = add_bias(logits, s.bias_ids, s.bias)  # the distribution the output follows
+    # The distribution the output follows: bias, min_tokens (position i emits answer token
+    # generated + i + 1).
+    biased = target_logits(logits, req, rows.generated + 1)
     if greedy_only:
         n, t = verify_greedy(biased, spec.tokens)
     else:
@@ -53,7 +56,7 @@ def verify_step(graphdef, params, state: TargetState, spec: Speculation, req: Re
         n, t = verify(p, spec.tokens, spec.q, spec.point_mass, s.temperature == 0,
                       row_keys(s, VERIFY_STREAM, rows.lengths))
     new_rows, out = advance(rows, spec.tokens, n, t, req)
-    # Raw log-probabilities (logprobs.py): before the bias, as before temperature.
+    # Raw log-probabilities (logprobs.py): before bias and masks, as before temperature.
     lp = None if logprobs is None else token_logprobs(logits, out, logprobs)
     return new_rows, Outcome(n, t), out, kv, lp
 

@@ -1,5 +1,6 @@
 """The HTTP surface: OpenAI's /v1/completions and /v1/chat/completions (plain JSON or server-sent
-events ending in `data: [DONE]`), /v1/models, /health and /metrics, on Starlette (the ASGI
+events ending in `data: [DONE]`), /v1/models, /health and /metrics, and vLLM's /tokenize,
+/detokenize and /tokenizer_info, on Starlette (the ASGI
 toolkit FastAPI is built on; we need routing and streaming responses, not FastAPI's schema
 layer, and validation lives in protocol.py where its errors can name OpenAI's fields)."""
 from __future__ import annotations
@@ -40,15 +41,27 @@ def _prompt_tokens(reqs: list) -> int:
 def build_app(server) -> Starlette:
     """`server`: a serve.server.Server (model name, encode, stop ids, scheduler, metrics)."""
 
+    async def body_of(http: HTTPRequest):
+        try:
+            return json.loads(await http.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}")
+
+    def tokenizer_route(call):
+        async def route(http: HTTPRequest):
+            try:
+                return JSONResponse(call(await body_of(http)) if http.method == "POST"
+                                    else call())
+            except APIError as e:
+                return _error(e)
+        return route
+
     async def submit(kind: str, http: HTTPRequest):
         """Parse, check and queue a request: its choices' Requests (one per prompt and `n`, in
         the order of their indices) and the one queue their events arrive on as (choice index,
         event); or an error response."""
         try:
-            try:
-                body = json.loads(await http.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise APIError(400, f"the request body is not valid JSON: {e}")
+            body = await body_of(http)
             jobs = protocol.parse(kind, body, model_name=server.model_name,
                                   encode=server.encode)
             server.check_request(jobs)
@@ -179,7 +192,8 @@ def build_app(server) -> Starlette:
 
     async def not_found(http: HTTPRequest, exc):
         return _error(APIError(404, f"no route {http.method} {http.url.path}: see /v1/models, "
-                                    "/v1/completions, /v1/chat/completions, /health, /metrics"))
+                                    "/v1/completions, /v1/chat/completions, /health, /metrics, "
+                                    "/tokenize, /detokenize, /tokenizer_info"))
 
     async def wrong_method(http: HTTPRequest, exc):
         allowed = (getattr(exc, "headers", None) or {}).get("Allow", "")
@@ -199,4 +213,7 @@ def build_app(server) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/tokenize", tokenizer_route(server.tokenize), methods=["POST"]),
+        Route("/detokenize", tokenizer_route(server.detokenize), methods=["POST"]),
+        Route("/tokenizer_info", tokenizer_route(server.tokenizer_info), methods=["GET"]),
     ], exception_handlers={404: not_found, 405: wrong_method}, lifespan=lifespan)

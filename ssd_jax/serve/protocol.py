@@ -4,7 +4,7 @@ A request becomes a `Job` (prompt token ids, SamplingParams, stop strings, strea
 log-probabilities asked for) or an `APIError` naming the field and the fix: fields the engine
 does not support (best_of, tools, penalties ...) are refused, never silently ignored. Purely
 informational fields (user, metadata) are accepted. Extensions, as in vLLM: `top_k`, `ignore_eos`,
-`stop_token_ids`.
+`stop_token_ids`, `min_tokens`.
 
 A completions request may hold several prompts (a list of strings or of token-id lists): `parse`
 makes one job per prompt. `n` > 1 asks for several choices of each: `choices_of` makes one job
@@ -66,7 +66,7 @@ class Job:
 
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-          "ignore_eos", "stop_token_ids",
+          "ignore_eos", "stop_token_ids", "min_tokens",
           "stream_options", "n", "user", "metadata", "logprobs", "presence_penalty",
           "frequency_penalty", "logit_bias"}
 FIELDS = {"completion": COMMON | {"prompt", "echo", "best_of", "suffix"},
@@ -93,8 +93,9 @@ def _number(body: dict, name: str, kind, default, low=None, high=None):
     return kind(v)
 
 
-def _flag(body: dict, name: str) -> bool:
-    v = body.get(name, False)
+def flag(body: dict, name: str, default: bool = False) -> bool:
+    """A boolean field, or a 400 naming it."""
+    v = body.get(name, default)
     if not isinstance(v, bool):
         raise APIError(400, f"'{name}' must be true or false, got {v!r}", name)
     return v
@@ -172,7 +173,7 @@ def parse(kind: str, body, *, model_name: str, encode) -> list[Job]:
         ids = [encode(p, kind == "chat") for p in prompts]
     except ValueError as e:
         raise APIError(400, str(e).splitlines()[0], prompt_field)
-    echo = kind == "completion" and _flag(body, "echo")
+    echo = kind == "completion" and flag(body, "echo")
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
     max_tokens = _number(body, max_name, int, None, 0)
@@ -184,7 +185,8 @@ def parse(kind: str, body, *, model_name: str, encode) -> list[Job]:
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
         raise APIError(400, "'stream_options' supports only include_usage", "stream_options")
-    stream = _flag(body, "stream")
+    stream = flag(body, "stream")
+    min_tokens = _number(body, "min_tokens", int, 0, 0)
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise APIError(400, f"'seed' must be a non-negative integer, got {seed!r}", "seed")
@@ -193,12 +195,14 @@ def parse(kind: str, body, *, model_name: str, encode) -> list[Job]:
             temperature=_number(body, "temperature", float, 1.0, 0.0, 2.0),
             top_p=_number(body, "top_p", float, 1.0, 0.0, 1.0),
             top_k=_number(body, "top_k", int, 0, 0),
-            max_new_tokens=max_tokens or 1, seed=None if seed is None else seed % 2**32,
-            ignore_eos=_flag(body, "ignore_eos"), stop_token_ids=_token_ids(body),
+            # Without max_tokens a placeholder (Server.check_fits sets the context left).
+            max_new_tokens=max_tokens or max(1, min_tokens),
+            seed=None if seed is None else seed % 2**32, min_tokens=min_tokens,
+            ignore_eos=flag(body, "ignore_eos"), stop_token_ids=_token_ids(body),
             logit_bias=_logit_bias(body))
     except ValueError as e:
         msg = str(e).splitlines()[0]
-        raise APIError(400, msg, next((f for f in ("top_k", "top_p", "temperature")
+        raise APIError(400, msg, next((f for f in ("top_k", "top_p", "temperature", "min_tokens")
                                        if msg.startswith(f + "=")), None))
     stop, lp, n = _stop(body), _logprobs(kind, body), _number(body, "n", int, 1, 1)
     return [Job(kind, model, p, params, stop, stream, bool(stream_options.get("include_usage")),
@@ -254,7 +258,7 @@ def _logprobs(kind: str, body: dict) -> int | None:
             return None
         return _number(body, "logprobs", int, None, 0, MAX_LOGPROBS)
     top = _number(body, "top_logprobs", int, None, 0, MAX_LOGPROBS)
-    if body.get("logprobs") is None or not _flag(body, "logprobs"):
+    if body.get("logprobs") is None or not flag(body, "logprobs"):
         if top is not None:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         return None

@@ -9,9 +9,9 @@ from dataclasses import replace
 import numpy as np
 
 from ssd_jax.config import SamplingParams, SpecConfig
-from ssd_jax.prompts import check_fits, context_room
+from ssd_jax.prompts import check_fits, check_messages, context_room
 from ssd_jax.serve.metrics import ServerMetrics
-from ssd_jax.serve.protocol import APIError, Job
+from ssd_jax.serve.protocol import APIError, Job, flag, text_content
 from ssd_jax.serve.scheduler import Request, Scheduler
 
 log = logging.getLogger(__name__)
@@ -137,8 +137,12 @@ class Server:
                                 " shorten it, or start the server with a larger --max-seq-len",
                            field)
         if not job.max_tokens_given:
-            job.params = replace(job.params,
-                                 max_new_tokens=limit - slack - len(job.prompt_ids))
+            room = limit - slack - len(job.prompt_ids)
+            if room < job.params.min_tokens:
+                raise APIError(400, f"'min_tokens'={job.params.min_tokens} is more than the "
+                                    f"context leaves after the prompt ({room} tokens)",
+                               "min_tokens")
+            job.params = replace(job.params, max_new_tokens=room)
         try:
             check_fits([job.prompt_ids], [job.params], self.mode, cfg,
                        self.llm.config.max_position_embeddings, k=k)
@@ -147,6 +151,65 @@ class Server:
             msg = str(e).splitlines()[0].replace("max_new_tokens", "max_tokens").replace(
                 "EngineConfig(max_seq_len=...)", "the server's --max-seq-len")
             raise APIError(400, msg, "max_tokens" if "max_tokens" in msg else field)
+
+    # ---------------------------------------------------------------- the tokenizer, as vLLM's
+    # POST /tokenize, POST /detokenize, GET /tokenizer_info: what lm-evaluation-harness's
+    # `tokenizer_backend=remote` reads, so a client needs no copy of the tokenizer.
+    def _tokenizer(self):
+        tok = self.llm.prompts.tokenizer
+        if tok is None:
+            raise APIError(400, "this server's model has no tokenizer: send token ids")
+        return tok
+
+    def tokenize(self, body) -> dict:
+        """{"prompt": text, "add_special_tokens": true} or {"messages": [...],
+        "add_generation_prompt": true} -> {"count", "max_model_len", "tokens"}."""
+        tok = self._tokenizer()
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        if body.get("messages") is not None:
+            messages = text_content(body["messages"])
+            if not isinstance(messages, list):
+                raise APIError(400, "'messages' must be a list of {role, content} messages",
+                               "messages")
+            try:
+                check_messages(messages)
+                text = tok.apply_chat_template(messages, add_generation_prompt=flag(
+                    body, "add_generation_prompt", True))
+            except ValueError as e:
+                raise APIError(400, str(e).splitlines()[0], "messages")
+            ids = tok.encode(text, add_special_tokens=flag(body, "add_special_tokens", False))
+        elif isinstance(body.get("prompt"), str):
+            ids = tok.encode(body["prompt"],
+                             add_special_tokens=flag(body, "add_special_tokens", True))
+        else:
+            raise APIError(400, "give 'prompt' (a string) or 'messages' (chat messages)",
+                           "prompt")
+        limit, _ = context_room(self.llm.engine, self.llm.config.max_position_embeddings,
+                                self.mode, self.spec.k or 0)
+        return {"count": len(ids), "max_model_len": limit, "tokens": ids}
+
+    def detokenize(self, body) -> dict:
+        """{"tokens": [ids]} -> {"prompt": text} (special tokens skipped, as answers are)."""
+        tok, vocab = self._tokenizer(), self.llm.config.vocab_size
+        ids = body.get("tokens") if isinstance(body, dict) else None
+        if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                              and 0 <= t < vocab for t in ids)):
+            raise APIError(400, f"'tokens' must be a list of token ids in [0, {vocab})",
+                           "tokens")
+        return {"prompt": tok.decode(ids)}
+
+    def tokenizer_info(self) -> dict:
+        tok = self._tokenizer()
+
+        def token(i: int | None) -> str | None:
+            return None if i is None else tok.backend.id_to_token(int(i))
+        limit, _ = context_room(self.llm.engine, self.llm.config.max_position_embeddings,
+                                self.mode, self.spec.k or 0)
+        return {"tokenizer_class": "ssd_jax.Tokenizer",
+                "eos_token": token(tok.eos_token_ids[0] if tok.eos_token_ids else None),
+                "bos_token": token(tok.bos_token_id), "pad_token": None,
+                "chat_template": tok.chat_template, "model_max_length": limit}
 
     def shutdown(self) -> None:
         self.scheduler.stop()
