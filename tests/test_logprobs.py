@@ -182,3 +182,23 @@ def test_logprobs_out_of_range_is_one_clear_error():
         SamplingParams(logprobs=21)
     with pytest.raises(ValueError, match="prompt_logprobs=-1 is invalid"):
         SamplingParams(prompt_logprobs=-1)
+
+
+def test_blockwise_logprobs_equal_one_pass():
+    """A prompt's log-probabilities a block of positions at a time (T not a multiple of the
+    block: padded, then cut) equal one pass over all positions."""
+    import jax
+    import jax.numpy as jnp
+    from ssd_jax.core.logprobs import blockwise_token_logprobs
+    from ssd_jax.core.logprobs import token_logprobs as one_pass
+    kx, kw, kt = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (2, 12, 8))
+    w = jax.random.normal(kw, (8, 30))
+    tokens = jax.random.randint(kt, (2, 12), 0, 30)
+    want = one_pass(x @ w, tokens, 4)
+    for block in (5, 12, 64):
+        got = blockwise_token_logprobs(lambda h: h @ w, x, tokens, 4, block=block)
+        for g, v in zip(got, want):
+            assert g.shape == v.shape
+            np.testing.assert_allclose(np.asarray(g), np.asarray(v), rtol=1e-6, atol=1e-6)
+        assert jnp.array_equal(got.top_ids, want.top_ids)

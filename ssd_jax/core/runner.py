@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from ssd_jax.config import ModelConfig
-from ssd_jax.core.logprobs import TokenLogprobs, token_logprobs
+from ssd_jax.core.logprobs import TokenLogprobs, blockwise_token_logprobs, token_logprobs
 from ssd_jax.core.rows import (SAMPLE_STREAM, Requests, RowState, advance, row_keys, start_rows,
                                target_logits)
 from ssd_jax.draft_vocab import DraftModel
@@ -88,7 +88,7 @@ def prefill(graphdef, params, tokens: Int[Array, "B T"], prompt_len: Int[Array, 
     if logprobs is not None and prompt_logprobs:
         nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], axis=1)
         nxt = jnp.where(jnp.arange(T) == (prompt_len - 1)[:, None], first[:, None], nxt)
-        lp = token_logprobs(model.head(x), nxt, logprobs)
+        lp = blockwise_token_logprobs(model.head, x, nxt, logprobs)
     elif logprobs is not None:
         lp = token_logprobs(logits, first[:, None], logprobs)
     return start_rows(tokens, prompt_len, first, req), new_kv, lp
