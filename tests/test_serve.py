@@ -255,14 +255,12 @@ def test_echo_and_prompt_logprobs_as_lm_eval_asks(served):
     echoed back score as they scored while they were decoded: the prefill's program against
     the SSD rounds'."""
     import httpx
-    from ssd_jax import SamplingParams
     server, url, _ = served
     client, prompts = _client(url), server.llm.prompts
     p = PROMPTS[6]
     r = client.completions.create(model=MODEL, prompt=p, max_tokens=10, temperature=0,
                                   logprobs=1, extra_body={"ignore_eos": True})
-    answer = server.llm.generate(p, SamplingParams(max_new_tokens=10, ignore_eos=True),
-                                 mode="ar", chat=False)[0].token_ids
+    answer = _offline(server, p, 10).token_ids
     assert r.choices[0].text == prompts.text(answer)
     ctx = prompts.encode(p, chat=False)
     whole = ctx + answer
@@ -357,16 +355,22 @@ def test_n_choices_are_rows_of_their_own(served):
     assert sorted(ch.index for c in chunks for ch in c.choices if ch.finish_reason) == [0, 1, 2]
 
 
+def _offline(server, p: str, n: int, **kw):
+    """Offline greedy AR of completion prompt `p`, n tokens, EOS ignored, with `kw`'s
+    SamplingParams: what the server must answer."""
+    from ssd_jax import SamplingParams
+    return server.llm.generate(p, SamplingParams(max_new_tokens=n, ignore_eos=True, **kw),
+                               mode="ar", chat=False)[0]
+
+
 def test_stop_token_ids_end_the_answer(served):
     """vLLM's stop_token_ids: the answer ends at the first of them (included, as offline
     generate includes a stop token), finish_reason "stop"; ids past the vocabulary are a 400."""
     import httpx
-    from ssd_jax import SamplingParams
     server, url, want = served
     p = PROMPTS[3]
     _, n, _ = want["long", p]
-    ids = server.llm.generate(p, SamplingParams(max_new_tokens=n, ignore_eos=True), mode="ar",
-                              chat=False)[0].token_ids
+    ids = _offline(server, p, n).token_ids
     stop = ids[5]
     cut = ids[:ids.index(stop) + 1]
     r = _client(url).completions.create(model=MODEL, prompt=p, max_tokens=n, temperature=0,
@@ -383,16 +387,12 @@ def test_logit_bias_moves_the_answer(served):
     """OpenAI's logit_bias: the served answer equals offline generate with the same bias (a
     banned token that greedy would pick, a favoured one); bad entries are 400s naming it."""
     import httpx
-    from ssd_jax import SamplingParams
     server, url, want = served
     p = PROMPTS[5]
-    text, n, _ = want["long", p]
-    llm = server.llm
-    plain = llm.generate(p, SamplingParams(max_new_tokens=n, ignore_eos=True), mode="ar",
-                         chat=False)[0].token_ids
+    _, n, _ = want["long", p]
+    plain = _offline(server, p, n).token_ids
     bias = {plain[0]: -100.0, next(t for t in plain if t != plain[0]): 2.0}
-    offline = llm.generate(p, SamplingParams(max_new_tokens=n, ignore_eos=True, logit_bias=bias),
-                           mode="ar", chat=False)[0]
+    offline = _offline(server, p, n, logit_bias=bias)
     assert offline.token_ids != plain and plain[0] not in offline.token_ids
     r = _client(url).completions.create(
         model=MODEL, prompt=p, max_tokens=n, temperature=0,
@@ -437,15 +437,12 @@ def test_min_tokens_holds_the_stop_back(served):
     """vLLM's min_tokens: a stop token id the answer would end at is held back for the first
     min_tokens tokens, as offline generate does; more than max_tokens is a 400 naming it."""
     import httpx
-    from ssd_jax import SamplingParams
     server, url, want = served
     p = PROMPTS[3]
     _, n, _ = want["long", p]
-    ids = server.llm.generate(p, SamplingParams(max_new_tokens=n, ignore_eos=True), mode="ar",
-                              chat=False)[0].token_ids
+    ids = _offline(server, p, n).token_ids
     stop = ids[2]
-    kw = dict(max_new_tokens=n, ignore_eos=True, stop_token_ids=(stop,), min_tokens=6)
-    offline = server.llm.generate(p, SamplingParams(**kw), mode="ar", chat=False)[0]
+    offline = _offline(server, p, n, stop_token_ids=(stop,), min_tokens=6)
     assert stop not in offline.token_ids[:6] and offline.token_ids != ids[:3]
     r = _client(url).completions.create(model=MODEL, prompt=p, max_tokens=n, temperature=0,
                                         extra_body={"ignore_eos": True, "min_tokens": 6,
