@@ -36,6 +36,11 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = field(default=None, repr=False)
 
 
+def _entry(token: int, chosen: float, top: dict, n: int) -> dict[int, float]:
+    """A token's log-probability entry: the n most likely of `top` and the token itself."""
+    return {**dict(list(top.items())[:n]), int(token): chosen}
+
+
 def _check_config(name: str, value, cls) -> None:
     if not isinstance(value, cls):
         raise ValueError(f"{name}={short(value)} is invalid: pass {name}={cls.__name__}(...)")
@@ -213,14 +218,14 @@ class LLM:
                         n = params[i].prompt_logprobs
                         if n is not None:
                             prompt_lps[i] = [None] + [
-                                {**dict(list(top.items())[:n]), int(tok): chosen}
+                                _entry(tok, chosen, top, n)
                                 for tok, (chosen, top) in zip(ids[i][1:], t.entries)]
                         continue
                     if isinstance(t, tuple):  # (token, logprob, top): the batch asked
                         t, chosen, top = t
                         if lps[i] is not None:
                             n = params[i].logprobs
-                            lps[i].append({**dict(list(top.items())[:n]), int(t): chosen})
+                            lps[i].append(_entry(t, chosen, top, n))
                     out[i].append(int(t))
                     if int(t) in stops[i]:
                         reason[i] = "stop"

@@ -106,6 +106,11 @@ class Server:
         for job in jobs:
             self.check_fits(job)
 
+    def _room(self) -> tuple[int, int]:
+        """(the context a row may use, the speculation slack kept free in it)."""
+        return context_room(self.llm.engine, self.llm.config.max_position_embeddings,
+                            self.mode, self.spec.k or 0)
+
     def check_fits(self, job: Job) -> None:
         """Refuse what cannot fit the context, the batch's rows or the server's settings; give
         an unseeded request its own seed (rows sample independently, as offline) and one
@@ -127,8 +132,7 @@ class Server:
             if any(t >= vocab for t in ids):
                 raise APIError(400, f"'{name}' holds ids past the vocabulary ({vocab} tokens): "
                                     "give ids below that", name)
-        cfg, k = self.llm.engine, self.spec.k or 0
-        limit, slack = context_room(cfg, self.llm.config.max_position_embeddings, self.mode, k)
+        limit, slack = self._room()
         field = "messages" if job.kind == "chat" else "prompt"
         if len(job.prompt_ids) + 1 + slack > limit:
             raise APIError(400, f"the prompt ({len(job.prompt_ids)} tokens) leaves no room for "
@@ -144,8 +148,8 @@ class Server:
                                "min_tokens")
             job.params = replace(job.params, max_new_tokens=room)
         try:
-            check_fits([job.prompt_ids], [job.params], self.mode, cfg,
-                       self.llm.config.max_position_embeddings, k=k)
+            check_fits([job.prompt_ids], [job.params], self.mode, self.llm.engine,
+                       self.llm.config.max_position_embeddings, k=self.spec.k or 0)
             self.live.request(job.prompt_ids, job.params, sorted(self.stop_ids(job.params)))
         except ValueError as e:
             msg = str(e).splitlines()[0].replace("max_new_tokens", "max_tokens").replace(
@@ -185,9 +189,7 @@ class Server:
         else:
             raise APIError(400, "give 'prompt' (a string) or 'messages' (chat messages)",
                            "prompt")
-        limit, _ = context_room(self.llm.engine, self.llm.config.max_position_embeddings,
-                                self.mode, self.spec.k or 0)
-        return {"count": len(ids), "max_model_len": limit, "tokens": ids}
+        return {"count": len(ids), "max_model_len": self._room()[0], "tokens": ids}
 
     def detokenize(self, body) -> dict:
         """{"tokens": [ids]} -> {"prompt": text} (special tokens skipped, as answers are)."""
@@ -204,12 +206,10 @@ class Server:
 
         def token(i: int | None) -> str | None:
             return None if i is None else tok.backend.id_to_token(int(i))
-        limit, _ = context_room(self.llm.engine, self.llm.config.max_position_embeddings,
-                                self.mode, self.spec.k or 0)
         return {"tokenizer_class": "ssd_jax.Tokenizer",
                 "eos_token": token(tok.eos_token_ids[0] if tok.eos_token_ids else None),
                 "bos_token": token(tok.bos_token_id), "pad_token": None,
-                "chat_template": tok.chat_template, "model_max_length": limit}
+                "chat_template": tok.chat_template, "model_max_length": self._room()[0]}
 
     def shutdown(self) -> None:
         self.scheduler.stop()
