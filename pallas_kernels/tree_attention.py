@@ -109,7 +109,11 @@ def _gpu_kernel(len_ref, q_ref, k_ref, v_ref, nk_ref, nv_ref, mask_ref, acc_ref,
         return update(q, nk_ref[blk, :], nv_ref[blk, :], mask_ref[:, blk] != 0, *carry)
 
     # The new tokens belong to the last split only; a zero trip count elsewhere avoids a branch.
-    num_new = jnp.where(split == num_splits - 1, nk_ref.shape[0] // block_u, 0)
+    # Integer arithmetic, not jnp.where: jax 0.11.2's Triton lowering typed a scalar select of two
+    # ints as i1, and scf.for rejected the i1 trip count (seen on an H200). split <= last, so
+    # max(0, split - last + 1) is 1 on the last split and 0 elsewhere.
+    is_last = jnp.maximum(split - (num_splits - 1) + 1, 0)
+    num_new = is_last * (nk_ref.shape[0] // block_u)
     acc_ref[...], m_ref[...], l_ref[...] = lax.fori_loop(0, num_new, new_block, carry)
 
 

@@ -29,11 +29,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from ssd_jax.core.backups import NeuralBackup, append_tokens
 from ssd_jax.core.glue import NEG_INF, GluePrefix, fork_candidates, no_prefix, pick
+from ssd_jax.core.graph import Graph
 from ssd_jax.core.rows import Requests, RowState, advance, start_rows
 from ssd_jax.core.speculation import Outcome, Saguaro, Speculation, propose
 from ssd_jax.models.attention import causal_mask
@@ -44,7 +44,7 @@ from ssd_jax.models.transformer import KVCache, commit
 class DraftConfig:
     """The draft side's static settings (hashable: a static argument of its programs)."""
 
-    graphdef: object  # the draft model's nnx graph
+    graphdef: Graph  # the draft model's nnx graph (hashed once)
     vocab: object  # draft_vocab.VocabMap or SameVocab
     k: int  # lookahead
     budget: int  # branches per row M
@@ -129,7 +129,7 @@ def build_cache(cfg: DraftConfig, params, ds: DraftState, req: Requests
                 ) -> tuple[SpecCache, KVCache]:
     """Glue decode + fork + tree decode over the speculation being verified. Returns the
     speculation cache and the glue K/V (committed at rows.lengths by `build`)."""
-    model, vocab = nnx.merge(cfg.graphdef, params), cfg.vocab
+    model, vocab = cfg.graphdef.merge(params), cfg.vocab
     spec, L = ds.spec.tokens, ds.rows.lengths
     B, K = spec.shape
     M, fmax = cfg.budget, cfg.fmax
@@ -228,7 +228,7 @@ def select(cfg: DraftConfig, params, ds: DraftState, tree: SpecCache | None,
                                 jnp.where(ds.rows.done, 0, outcome.n + 1))
     ds = ds._replace(rows=rows, history=history)
     hit, hit_tokens, hit_q, rank, hit_prefix = _lookup(cfg, tree, outcome)
-    model = nnx.merge(cfg.graphdef, params)
+    model = cfg.graphdef.merge(params)
     b_tokens, b_q, point_mass, b_prefix = cfg.backup.propose(model, cfg, ds, req, hit)
     tokens = jnp.where(hit[:, None], hit_tokens, b_tokens)
     q = None if cfg.greedy_only else jnp.where(hit[:, None, None], hit_q, b_q)

@@ -3,7 +3,7 @@ the AR decode step, multi-token scoring, cache fill.
 
 The NNX model is split once into (graphdef, params); every program is a pure `jax.jit` function
 that merges them inside the trace, so a call costs a plain jit dispatch (no NNX graph walk on the
-host per step) and the graphdef, being hashable, is a static argument. Programs return new K/V
+host per step) and the graphdef, wrapped to hash once (graph.py), is a static argument. Programs return new K/V
 rather than writing the cache: `commit` (donated, in place) writes it, so the big cache is only
 read inside a program (the XLA:CPU cache-copy trap, platform notes).
 """
@@ -14,12 +14,12 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from ssd_jax.config import ModelConfig
+from ssd_jax.core.graph import split
 from ssd_jax.core.logprobs import TokenLogprobs, blockwise_token_logprobs, token_logprobs
 from ssd_jax.core.rows import (SAMPLE_STREAM, Requests, RowState, advance, row_keys, start_rows,
                                target_logits)
@@ -31,7 +31,7 @@ from ssd_jax.sharding import put
 
 
 def _merge(graphdef, params) -> Transformer | DraftModel:
-    return nnx.merge(graphdef, params)
+    return graphdef.merge(params)
 
 
 def _sample(logits: Float[Array, "B V"], req: Requests, positions: Int[Array, " B"],
@@ -116,7 +116,7 @@ class ModelRunner:
 
     def __init__(self, model: Transformer | DraftModel, mesh=None):
         self.config: ModelConfig = model.config
-        self.graphdef, self.params = nnx.split(model)
+        self.graphdef, self.params = split(model)
         self.mesh = mesh
         if mesh is not None:  # tensor-parallel (or replicated) over this mesh
             from ssd_jax.sharding import shard_params

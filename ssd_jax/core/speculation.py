@@ -14,7 +14,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from ssd_jax.core.rows import DRAFT_STREAM, Requests, RowSampling, RowState, row_keys
@@ -108,7 +107,7 @@ def _sd_draft(cfg, params, rows: RowState, cache: KVCache, req: Requests
     # [prev, r] at [L-1, L]: re-feeding prev is harmless when it is already in the cache and
     # necessary after a full acceptance, where the last draft token s_K was never fed.
     tokens = jnp.stack([rows.prev, rows.last], axis=1)
-    drafts, q, kv, _ = draft_decode(nnx.merge(cfg.graphdef, params), cfg, tokens, rows.lengths - 1,
+    drafts, q, kv, _ = draft_decode(cfg.graphdef.merge(params), cfg, tokens, rows.lengths - 1,
                                  cache, req)
     no = jnp.zeros_like(rows.done)
     return Speculation(drafts, None if q is None else cfg.vocab.target_probs(q), no, ~no), kv

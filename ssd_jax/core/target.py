@@ -11,7 +11,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jaxtyping import Array, Int
 
 from ssd_jax.core.logprobs import TokenLogprobs, token_logprobs
@@ -43,7 +42,7 @@ def verify_step(graphdef, params, state: TargetState, spec: Speculation, req: Re
     B, K = spec.tokens.shape
     tokens = jnp.concatenate([rows.last[:, None], spec.tokens], axis=1)
     positions = rows.lengths[:, None] + jnp.arange(K + 1)
-    logits, kv = nnx.merge(graphdef, params)(tokens, positions, state.cache, rows.lengths,
+    logits, kv = graphdef.merge(params)(tokens, positions, state.cache, rows.lengths,
                                              causal_mask(B, K + 1))
     s = req.sampling
     # The distribution the output follows: bias, min_tokens (position i emits answer token

@@ -26,7 +26,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from tqdm import tqdm
 
 from ssd_jax.config import EngineConfig
@@ -100,7 +99,7 @@ def _prefill_topk(graphdef, params, tokens, cache: KVCache, *, k: int):
     and corpus windows are labelled by this one program)."""
     B, T = tokens.shape
     no_prefix = jax.lax.optimization_barrier(jnp.zeros((B,), jnp.int32))  # see runner.prefill
-    logits, new_kv = nnx.merge(graphdef, params)(
+    logits, new_kv = graphdef.merge(params)(
         tokens, jnp.broadcast_to(jnp.arange(T), (B, T)), cache, no_prefix, causal_mask(B, T))
     return _log_top_k(logits, k), new_kv
 
@@ -110,7 +109,7 @@ def _decode_topk(graphdef, params, tokens, lengths, cache: KVCache, key, tempera
     """One step: top-k of the next-token distribution, and the next token (greedy, or sampled
     at `temperature` with top-p 0.95 for data diversity)."""
     B = tokens.shape[0]
-    logits, new_kv = nnx.merge(graphdef, params)(
+    logits, new_kv = graphdef.merge(params)(
         tokens[:, None], lengths[:, None], cache, lengths, jnp.ones((B, 1, 1), bool))
     ids, lp = _log_top_k(logits, k)
     keys = jax.random.split(key, B)
@@ -295,7 +294,7 @@ def _sample_step(graphdef, params, tokens, positions, cache: KVCache, prefix_len
     """Logits at `pick` [B] -> next token: argmax at temperature 0, else a plain categorical
     sample at `temperature` (Gumbel-max: no vocabulary sort, unlike top-p). Token `banned`
     (a draft's OOV slot, which stands for no token at all) is never produced."""
-    logits, new_kv = nnx.merge(graphdef, params)(tokens, positions, cache, prefix_len, mask,
+    logits, new_kv = graphdef.merge(params)(tokens, positions, cache, prefix_len, mask,
                                                  pick[:, None])
     logits = logits[:, 0]
     if banned is not None:
