@@ -2,12 +2,14 @@
 
 An H200 run found every program of both Qwen models at ~5 ms whatever its size: jit hashed the
 nnx GraphDef (a Python walk over every node) on every call. These tests pin the fix."""
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ssd_jax.config import ModelConfig
 from ssd_jax.core.graph import Graph
-from ssd_jax.core.runner import ModelRunner
+from ssd_jax.core.runner import ModelRunner, forward
 from ssd_jax.models.attention import causal_mask
 from ssd_jax.models.transformer import Transformer
 
@@ -44,3 +46,17 @@ def test_equal_graphs_share_programs_and_different_ones_do_not():
     other = _runner(TINY.replace(num_layers=2))
     assert a.graphdef != other.graphdef
     assert a.graphdef != a.graphdef.graphdef  # only Graphs compare equal to a Graph
+
+
+def test_programs_take_flat_params_and_merge_them_as_the_state():
+    runner = _runner()
+    assert len(runner.leaves) == len(jax.tree.leaves(runner.params))
+    merged = nnx.state(runner.graphdef.merge(runner.leaves))
+    for got, want in zip(jax.tree.leaves(merged), jax.tree.leaves(runner.params), strict=True):
+        assert got is want  # the same arrays, in the State's order
+    cache = runner.new_cache(1, 8)
+    args = (jnp.ones((1, 2), jnp.int32), jnp.arange(2)[None], cache, jnp.zeros((1,), jnp.int32),
+            causal_mask(1, 2))
+    flat, _ = runner.forward(*args)
+    whole, _ = forward(runner.graphdef, runner.params, *args)  # the State itself still merges
+    np.testing.assert_array_equal(np.asarray(flat), np.asarray(whole))

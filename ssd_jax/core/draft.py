@@ -183,7 +183,7 @@ def build_cache(cfg: DraftConfig, params, ds: DraftState, req: Requests
 def build(draft, cfg: DraftConfig, ds: DraftState, req: Requests
           ) -> tuple[SpecCache, DraftState]:
     """The draft's work during a verification, with `draft` a ModelRunner."""
-    tree, glue_kv = build_cache(cfg, draft.params, ds, req)
+    tree, glue_kv = build_cache(cfg, draft.leaves, ds, req)
     return tree, ds._replace(cache=commit(ds.cache, glue_kv, ds.rows.lengths))
 
 
@@ -261,5 +261,5 @@ def start(draft, cfg: DraftConfig, batch, first: Int[Array, " B"], cache: KVCach
     Everything is built inside programs, on the devices of the draft's inputs."""
     cache = draft.fill(cfg.vocab.draft_ids(batch.tokens), cache)
     ds = _first_state(cfg, (batch.tokens, batch.prompt_len), first, batch.req, fan, cache)
-    ds, spec, _ = select(cfg, draft.params, ds, None, None, batch.req)
+    ds, spec, _ = select(cfg, draft.leaves, ds, None, None, batch.req)
     return ds, spec

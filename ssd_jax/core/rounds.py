@@ -153,7 +153,7 @@ class DraftSide:
         return build(self.runner, self.cfg, ds, self.batch.req)
 
     def select(self, ds: DraftState, tree, outcome):
-        return select(self.cfg, self.runner.params, ds, tree, outcome, self.batch.req)
+        return select(self.cfg, self.runner.leaves, ds, tree, outcome, self.batch.req)
 
     def observe(self, records: list, ds: DraftState, t_verify: float | None) -> DraftState:
         """Between chunks: fit the fan-out to the chunk's outcomes, re-choose the backup."""

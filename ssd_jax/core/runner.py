@@ -2,8 +2,8 @@
 the AR decode step, multi-token scoring, cache fill.
 
 The NNX model is split once into (graphdef, params); every program is a pure `jax.jit` function
-that merges them inside the trace, so a call costs a plain jit dispatch (no NNX graph walk on the
-host per step) and the graphdef, wrapped to hash once (graph.py), is a static argument. Programs return new K/V
+that merges them inside the trace, so a call costs a plain jit dispatch: the graph, hashed once,
+is a static argument and the params travel as a flat list (graph.py). Programs return new K/V
 rather than writing the cache: `commit` (donated, in place) writes it, so the big cache is only
 read inside a program (the XLA:CPU cache-copy trap, platform notes).
 """
@@ -14,12 +14,13 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from ssd_jax.config import ModelConfig
-from ssd_jax.core.graph import split
+from ssd_jax.core.graph import Graph
 from ssd_jax.core.logprobs import TokenLogprobs, blockwise_token_logprobs, token_logprobs
 from ssd_jax.core.rows import (SAMPLE_STREAM, Requests, RowState, advance, row_keys, start_rows,
                                target_logits)
@@ -116,11 +117,14 @@ class ModelRunner:
 
     def __init__(self, model: Transformer | DraftModel, mesh=None):
         self.config: ModelConfig = model.config
-        self.graphdef, self.params = split(model)
+        graphdef, self.params = nnx.split(model)
         self.mesh = mesh
         if mesh is not None:  # tensor-parallel (or replicated) over this mesh
             from ssd_jax.sharding import shard_params
             self.params = shard_params(self.params, self.config, mesh)
+        # What programs take (graph.py says why): the graph hashed once, the params flat.
+        self.graphdef = Graph(graphdef, jax.tree.structure(self.params))
+        self.leaves: list[jax.Array] = jax.tree.leaves(self.params)
 
     def new_cache(self, batch: int, seq_len: int) -> KVCache:
         from ssd_jax.sharding import new_cache
@@ -129,18 +133,18 @@ class ModelRunner:
     def prefill(self, tokens, prompt_len, cache, req: Requests, logprobs: int | None = None,
                 prompt_logprobs: bool = False
                 ) -> tuple[RowState, KVCache, TokenLogprobs | None]:
-        rows, new_kv, lp = prefill(self.graphdef, self.params, tokens, prompt_len, cache, req,
+        rows, new_kv, lp = prefill(self.graphdef, self.leaves, tokens, prompt_len, cache, req,
                                    logprobs, prompt_logprobs)
         return rows, commit(cache, new_kv, prompt_len * 0), lp  # on prompt_len's devices
 
     def decode(self, rows: RowState, cache: KVCache, req: Requests, logprobs: int | None = None
                ) -> tuple[RowState, KVCache, TokenLogprobs | None]:
-        new, new_kv, lp = decode_step(self.graphdef, self.params, rows, cache, req, logprobs)
+        new, new_kv, lp = decode_step(self.graphdef, self.leaves, rows, cache, req, logprobs)
         return new, commit(cache, new_kv, rows.lengths), lp
 
     def fill(self, tokens: Int[Array, "B T"], cache: KVCache) -> KVCache:
         """Write a prompt's K/V into the cache (a draft's prefill: its logits are not needed)."""
-        _, new_kv = fill_kv(self.graphdef, self.params, tokens, cache)
+        _, new_kv = fill_kv(self.graphdef, self.leaves, tokens, cache)
         # Zeros put explicitly on this mesh: a default-device array would be moved there
         # implicitly, which a run under transfer_guard_device_to_device("disallow") refuses.
         zeros = np.zeros((tokens.shape[0],), np.int32)
@@ -149,4 +153,4 @@ class ModelRunner:
         return commit(cache, new_kv, zeros)
 
     def forward(self, tokens, positions, cache, prefix_len, mask):
-        return forward(self.graphdef, self.params, tokens, positions, cache, prefix_len, mask)
+        return forward(self.graphdef, self.leaves, tokens, positions, cache, prefix_len, mask)

@@ -117,5 +117,5 @@ def sd_speculation(draft, cfg, rows: RowState, cache: KVCache, req: Requests
                    ) -> tuple[Speculation, KVCache]:
     """SD's drafting with `draft` (a ModelRunner) and its static draft.DraftConfig: K tokens
     after r, the draft cache committed through position L+K-1."""
-    spec, kv = _sd_draft(cfg, draft.params, rows, cache, req)
+    spec, kv = _sd_draft(cfg, draft.leaves, rows, cache, req)
     return spec, commit(cache, kv, rows.lengths - 1)

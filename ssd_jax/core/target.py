@@ -65,6 +65,6 @@ def target_step(target, state: TargetState, spec: Speculation, req: Requests, gr
                 ) -> tuple[TargetState, Outcome, Int[Array, "B K1"], TokenLogprobs | None]:
     """One verification by `target` (a ModelRunner): the new state, the outcome, the emitted
     tokens and, given `logprobs`, their log-probabilities."""
-    rows, outcome, out, kv, lp = verify_step(target.graphdef, target.params, state, spec, req,
+    rows, outcome, out, kv, lp = verify_step(target.graphdef, target.leaves, state, spec, req,
                                              greedy_only, logprobs)
     return TargetState(rows, commit(state.cache, kv, state.rows.lengths)), outcome, out, lp
