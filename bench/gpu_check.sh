@@ -11,7 +11,8 @@
 # Usage: bash bench/gpu_check.sh [--dry-run] OUTDIR
 #   --dry-run: the same parts on CPU with tiny sizes and the kernel interpreted (CI runs this).
 #   PYTHON=... picks the interpreter (default python3); WHEELS=DIR holds wheels for a missing
-#   pure-Python dependency (default ./.whl; the H200 image has everything this path imports).
+#   pure-Python dependency (default ./.whl). The H200 image lacked beartype on 2026-12-04:
+#   `pip download --no-deps -d .whl beartype==0.23.1` here, and carry .whl.
 # Writes exactly OUTDIR/{log.txt, tests.txt, kernels.md, exactness.md, physics.md,
 # predictions.md, summary.json, status.txt}; exit status 0 iff every part passed.
 set -uo pipefail
