@@ -42,11 +42,11 @@ fi
 LOG="$OUT/log.txt"
 for mod in jaxtyping beartype pytest jinja2; do
   if ! "$PY" -c "import $mod" 2>/dev/null; then
-    echo "installing $mod's wheel from $WHEELS (offline)" | tee -a "$LOG"
+    echo "installing $mod's wheel from ${WHEELS#"$ROOT"/} (offline)" | tee -a "$LOG"
     SITE=$(mktemp -d)  # a scratch site for the wheels, outside the repository
     "$PY" -m pip install -q --no-index --no-deps --no-cache-dir --target "$SITE" \
       "$WHEELS"/*.whl >>"$LOG" 2>&1 && export PYTHONPATH="$PYTHONPATH:$SITE" \
-      || echo "WARNING: $mod missing and not installable from $WHEELS" | tee -a "$LOG"
+      || echo "WARNING: $mod missing and not installable from ${WHEELS#"$ROOT"/}" | tee -a "$LOG"
     break
   fi
 done

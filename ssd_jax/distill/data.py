@@ -142,7 +142,7 @@ def generate_labelled(runner, prompts: list[list[int]], cfg: DataConfig, *, temp
     B, T, k = len(prompts), cfg.seq_len, cfg.top_k
     x, plen = _padded(prompts, cfg)
     cache = runner.new_cache(B, T)
-    (pids, plp), new_kv = _prefill_topk(runner.graphdef, runner.params, jnp.asarray(x), cache, k=k)
+    (pids, plp), new_kv = _prefill_topk(runner.graphdef, runner.leaves, jnp.asarray(x), cache, k=k)
     cache = commit(cache, new_kv, jnp.zeros((B,), jnp.int32))
     ids = np.zeros((B, T, k), np.int32)
     lp = np.full((B, T, k), -np.inf, np.float16)
@@ -163,7 +163,7 @@ def generate_labelled(runner, prompts: list[list[int]], cfg: DataConfig, *, temp
     for step in range(cfg.max_new_tokens - 1):
         if done.all():
             break
-        (sids, slp), nxt, new_kv = _decode_topk(runner.graphdef, runner.params, jnp.asarray(tok),
+        (sids, slp), nxt, new_kv = _decode_topk(runner.graphdef, runner.leaves, jnp.asarray(tok),
                                                  jnp.asarray(lengths), cache,
                                                  jax.random.fold_in(key, step), temperature, k=k)
         cache = commit(cache, new_kv, jnp.asarray(lengths))
@@ -232,7 +232,7 @@ def label(runner, tokens: np.ndarray, cfg: DataConfig, desc: str,
         width = min(T, -(-int(lengths[rows].max()) // 64) * 64)
         x = np.zeros((B, width), np.int32)
         x[:len(rows)] = tokens[rows, :width]
-        (i, l), _ = _prefill_topk(runner.graphdef, runner.params, jnp.asarray(x), empty,
+        (i, l), _ = _prefill_topk(runner.graphdef, runner.leaves, jnp.asarray(x), empty,
                                   k=cfg.top_k)
         ids[rows, :width] = np.asarray(i)[:len(rows)]
         lp[rows, :width] = np.asarray(l)[:len(rows)]
@@ -312,7 +312,7 @@ def draft_generate(runner, prompts: list[list[int]], cfg: DataConfig, *, tempera
     P0 = x.shape[1]
     cache = runner.new_cache(B, T)
     key = jax.random.key(seed)
-    tok, new_kv = _sample_step(runner.graphdef, runner.params, jnp.asarray(x),
+    tok, new_kv = _sample_step(runner.graphdef, runner.leaves, jnp.asarray(x),
                                jnp.broadcast_to(jnp.arange(P0), (B, P0)), cache,
                                jnp.zeros((B,), jnp.int32), causal_mask(B, P0),
                                jnp.asarray(plen - 1), key, temperature, banned)
@@ -323,7 +323,7 @@ def draft_generate(runner, prompts: list[list[int]], cfg: DataConfig, *, tempera
     for step in range(cfg.max_new_tokens - 1):
         if done.all():
             break
-        nxt, new_kv = _sample_step(runner.graphdef, runner.params, jnp.asarray(tok)[:, None],
+        nxt, new_kv = _sample_step(runner.graphdef, runner.leaves, jnp.asarray(tok)[:, None],
                                    jnp.asarray(lengths)[:, None], cache, jnp.asarray(lengths),
                                    jnp.ones((B, 1, 1), bool), jnp.zeros((B,), jnp.int32),
                                    jax.random.fold_in(key, step + 1), temperature, banned)

@@ -61,7 +61,7 @@ def target_ranks(draft: DraftModel, prompts_ids, answers) -> list[np.ndarray]:
         T = int(-(-len(seq) // 64) * 64)  # bucket, so few programs compile
         x = np.zeros((1, T), np.int32)
         x[0, :len(seq)] = seq
-        logits, _ = forward(runner.graphdef, runner.params, jnp.asarray(x),
+        logits, _ = forward(runner.graphdef, runner.leaves, jnp.asarray(x),
                             jnp.arange(T)[None], runner.new_cache(1, 1),
                             jnp.zeros((1,), jnp.int32), causal_mask(1, T))
         # position len(p)-1+j predicts answer token j
@@ -92,7 +92,7 @@ def decode_latency(model, *, cache_len: int = 512, prefix: int = 256, reps: int 
     times = []
     for i in range(reps + 5):
         t0 = time.perf_counter()
-        logits, new = forward(runner.graphdef, runner.params, tok, pos, cache, plen, mask)
+        logits, new = forward(runner.graphdef, runner.leaves, tok, pos, cache, plen, mask)
         tok = jnp.argmax(logits[:, -1:], -1).astype(jnp.int32)
         cache = commit(cache, new, plen)
         jax.block_until_ready((tok, cache))
