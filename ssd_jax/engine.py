@@ -15,7 +15,7 @@ from typing import Iterator
 
 import jax
 
-from ssd_jax import autotune
+from ssd_jax import autotune, compile_cache
 from ssd_jax.core.batch import Batch, make_batch, padded_shape, round_up
 from ssd_jax.core.metrics import RunMetrics
 from ssd_jax.core.rounds import DraftSide, TargetSide, ar_loop, sd_loop, ssd_loop, tokens_in
@@ -63,6 +63,7 @@ class Engine:
     def __init__(self, model: str | Path | Transformer, draft: str | Path | Transformer | None,
                  *, tokenizer: Tokenizer | None, dtype: str, config: EngineConfig,
                  cache_dir: Path | None, progress: bool):
+        compile_cache.enable(models=cache_dir)  # a second run of the pair skips its compiles
         # Names/paths let worker processes load the same models (the "processes" driver).
         self.paths = (None if isinstance(model, Transformer) else str(model),
                       None if draft is None or isinstance(draft, Transformer) else str(draft))

@@ -18,6 +18,7 @@ import tempfile
 import time
 from multiprocessing.connection import Listener
 
+from ssd_jax import compile_cache
 from ssd_jax.core.metrics import SSDStats, metrics_from_dict
 from ssd_jax.runtime.procs import free_port
 from ssd_jax.xla_cpu import with_device_count
@@ -57,6 +58,9 @@ class WorkerPool:
         env = dict(os.environ, SSD_JAX_WORKER_KEY=key, JAX_PLATFORMS="cpu")
         # One CPU device per worker process unless asked; the user's other XLA flags pass on.
         env["XLA_FLAGS"] = with_device_count(env.get("XLA_FLAGS", ""), self.devices_per_worker)
+        # The workers compile into (and read from) the caller's compilation cache, or none.
+        import jax
+        env[compile_cache.ENV] = jax.config.jax_compilation_cache_dir or "off"
         log.info("starting the target and draft worker processes (cores %s); they load the "
                  "models (a minute or two for a 1.5B pair) ...", self.cores)
         atexit.register(self.close)

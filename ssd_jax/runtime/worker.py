@@ -42,6 +42,8 @@ def main(argv=None) -> int:
         import jax
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        from ssd_jax import compile_cache
+        compile_cache.enable()  # the directory the caller passed in the environment
         role_id = 0 if args.role == "target" else 1
         jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=2,
                                    process_id=role_id, initialization_timeout=120)
