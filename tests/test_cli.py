@@ -7,8 +7,9 @@ from ssd_jax.__main__ import main
 @pytest.mark.parametrize("argv, needle", [
     (["hi", "--k", "0"], "K=0 is invalid"),
     (["hi", "--c", "1.5"], "Saguaro's C must lie in (0, 1]"),
-    (["", "--mode", "ar"], "prompt is empty"),
-    (["hi", "--mode", "ar", "--max-new-tokens", "5000"], "raise --max-seq-len"),
+    (["", "--model", "smollm2", "--mode", "ar"], "prompt is empty"),
+    (["hi", "--model", "smollm2", "--mode", "ar", "--max-new-tokens", "5000"],
+     "raise --max-seq-len"),
     (["hi", "--model", "/no/such/model", "--mode", "ar"], "not found"),
 ])
 def test_bad_input_is_one_line(argv, needle, capsys):
@@ -17,6 +18,16 @@ def test_bad_input_is_one_line(argv, needle, capsys):
     assert len(err) == 1 and needle in err[0]
 
 
+def test_answers_a_prompt_with_the_small_pair(capsys):
+    assert main(["What is the capital of France?", "--model", "smollm2", "--draft",
+                 "smollm2-draft", "--mode", "sd", "--k", "3", "--max-new-tokens", "8",
+                 "--no-compare"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("> What is the capital of France?") and "Paris" in out
+    assert "[sd] 8 tokens" in err and "K=3" in err
+
+
+@pytest.mark.slow  # ~2-3 min on a fresh machine: fetches the real pair (1.6 GB), dequantises
 def test_answers_a_prompt(capsys):
     assert main(["What is the capital of France?", "--mode", "ar", "--max-new-tokens", "8"]) == 0
     out, err = capsys.readouterr()
