@@ -13,9 +13,10 @@ A cache directory the user already gave JAX (`jax_compilation_cache_dir`) is lef
 The directory is bounded (least recently used entries go first) and holds compiled code that
 JAX runs without checking: like JAX's own cache, it must not be writable by anyone else.
 
-JAX writes entries from process 0 only: in the two-process driver that is the target worker,
-so the draft worker compiles its programs afresh every time, and SSD's start-up, which waits
-for the slower of the two workers, gains little (measured in the README).
+JAX writes entries from process 0 only, a guard for many hosts sharing one remote store. The
+two worker processes of the CPU driver share one machine and a file-locked local directory,
+and the draft worker (process 1) compiles programs of its own: `write_from_any_process` lets
+it write them too, or SSD's start-up, which waits for the slower worker, would hardly gain.
 """
 from __future__ import annotations
 
@@ -80,3 +81,28 @@ def enable(environ: Mapping[str, str] = os.environ, models: Path | None = None) 
     jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     jax.config.update("jax_compilation_cache_dir", str(path))
     return path
+
+
+def write_from_any_process() -> bool:
+    """Let this process write cache entries although it is not JAX's process 0 (see the module
+    note). Only for a process whose cache directory is local (the workers'), where the bounded
+    cache's file lock orders the writers. Returns False where this JAX has no such hook, and
+    then the process compiles as before."""
+    from jax._src import compiler, distributed
+    write = getattr(compiler, "_cache_write", None)
+    if write is None or getattr(write, "any_process", False):
+        return write is not None
+
+    def as_process_zero(*args, **kwargs):
+        # JAX's writer returns early unless the process id reads 0; it reads nothing else of
+        # the distributed state, and the workers compile on one thread.
+        state = distributed.global_state
+        saved, state.process_id = state.process_id, 0
+        try:
+            return write(*args, **kwargs)
+        finally:
+            state.process_id = saved
+
+    as_process_zero.any_process = True
+    compiler._cache_write = as_process_zero
+    return True

@@ -64,3 +64,30 @@ def test_a_directory_the_user_gave_jax_is_kept(tmp_path):
     env[compile_cache.ENV] = str(tmp_path / "ours")
     assert _child(env)["DIR"] == str(tmp_path / "theirs")
     assert not Path(tmp_path / "ours").exists()
+
+
+# A process that JAX numbers 1 (as the draft worker is): JAX alone writes nothing from it.
+_PROCESS_ONE = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp
+    from jax._src import distributed
+    from ssd_jax import compile_cache
+    compile_cache.enable()
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    distributed.global_state.process_id = 1
+    if sys.argv[1] == "patched":
+        assert compile_cache.write_from_any_process()
+    jax.block_until_ready(jax.jit(lambda x: jnp.cos(x) @ x.T)(jnp.ones((8, 8))))
+    assert distributed.global_state.process_id == 1
+""")
+
+
+def test_the_draft_worker_writes_its_programs_too(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    for how in ("plain", "patched"):
+        env[compile_cache.ENV] = str(tmp_path / how)
+        subprocess.run([sys.executable, "-c", _PROCESS_ONE, how], env=env, timeout=300,
+                       check=True)
+    written = {how: [p for p in (tmp_path / how).iterdir() if p.name.endswith("-cache")]
+               for how in ("plain", "patched")}
+    assert written["plain"] == [] and written["patched"]

@@ -43,7 +43,8 @@ def main(argv=None) -> int:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         from ssd_jax import compile_cache
-        compile_cache.enable()  # the directory the caller passed in the environment
+        if compile_cache.enable():  # the directory the caller passed in the environment
+            compile_cache.write_from_any_process()  # the draft worker is process 1
         role_id = 0 if args.role == "target" else 1
         jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=2,
                                    process_id=role_id, initialization_timeout=120)
