@@ -26,6 +26,8 @@ import platform
 from collections.abc import Mapping
 from pathlib import Path
 
+from ssd_jax.xla_cpu import read_cpuinfo
+
 ENV = "SSD_JAX_COMPILE_CACHE"
 OFF = ("", "0", "off", "none", "false")
 # The real pair's SD programs took 1.3 MB here (executables, not weights): the bound is for a
@@ -37,13 +39,7 @@ MIN_COMPILE_S = 0.5
 
 def cpu_fingerprint(cpuinfo: str | None = None) -> str:
     """A short name for this machine's processor model and instruction-set flags."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            cpuinfo = ""
-    lines = cpuinfo.splitlines()
+    lines = (read_cpuinfo() if cpuinfo is None else cpuinfo).splitlines()
     model = next((ln for ln in lines if ln.startswith("model name")), "")
     flags = next((ln for ln in lines if ln.startswith(("flags", "Features"))), "")
     what = f"{platform.machine()}|{platform.processor()}|{model}|{flags}"

@@ -17,14 +17,19 @@ from collections.abc import MutableMapping
 WIDE_VECTORS = "--xla_cpu_prefer_vector_width=512"
 
 
+def read_cpuinfo() -> str:
+    """/proc/cpuinfo, or "" where there is none (not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 def has_avx512(cpuinfo: str | None = None) -> bool:
     """Whether this (Linux) CPU advertises AVX-512F; False where that cannot be read."""
     if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return False
+        cpuinfo = read_cpuinfo()
     return any(line.startswith("flags") and "avx512f" in line.split()
                for line in cpuinfo.splitlines())
 
