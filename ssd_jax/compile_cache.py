@@ -2,9 +2,9 @@
 compiles.
 
 Start-up on the real pair is loading and compiling, and every run of the same pair, shapes
-and settings compiles the same programs. JAX can keep compiled executables on disk keyed by the program, the compile options,
-the XLA flags and the JAX version; this turns that on for every ssd-jax entry point (`LLM`, the
-CLI, the server, the bench, the worker processes).
+and settings compiles the same programs. JAX can keep compiled executables on disk keyed by
+the program, the compile options, the XLA flags and the JAX version; this turns that on for
+every ssd-jax entry point (`LLM`, the CLI, the server, the bench, the worker processes).
 
 Where: `$SSD_JAX_COMPILE_CACHE` if set ("off" turns it off), else `xla/<cpu>` under the model
 cache (`~/.cache/ssd_jax`). `<cpu>` names this machine's processor and its instruction-set
@@ -81,10 +81,14 @@ def enable(environ: Mapping[str, str] = os.environ, models: Path | None = None) 
 
 def write_from_any_process() -> bool:
     """Let this process write cache entries although it is not JAX's process 0 (see the module
-    note). Only for a process whose cache directory is local (the workers'), where the bounded
-    cache's file lock orders the writers. Returns False where this JAX has no such hook, and
-    then the process compiles as before."""
+    note). Only for a process whose cache directory is local (the workers'), and only for a
+    bounded cache: its file lock orders two processes writing one entry (an unbounded one,
+    such as a directory the user gave JAX, has none). Returns False where it does not apply or
+    this JAX has no such hook; the process then compiles as before."""
+    import jax
     from jax._src import compiler, distributed
+    if jax.config.jax_compilation_cache_max_size <= 0:
+        return False
     write = getattr(compiler, "_cache_write", None)
     if write is None or getattr(write, "any_process", False):
         return write is not None
