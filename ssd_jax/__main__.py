@@ -100,12 +100,21 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=None, help="default: from the engine's seed 0")
+    ap.add_argument("--presence-penalty", type=float, default=0.0,
+                    help="subtracted once from each answer token's logit (OpenAI's, [-2, 2])")
+    ap.add_argument("--frequency-penalty", type=float, default=0.0,
+                    help="subtracted per occurrence in the answer (OpenAI's, [-2, 2])")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0,
+                    help="divides the logits of prompt and answer tokens (vLLM's, > 0; 1: off)")
     args = ap.parse_args(argv)
     quiet_logging()
     try:
         distributed.initialize()  # multi-host jobs: join before anything touches a device
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                                top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                presence_penalty=args.presence_penalty,
+                                frequency_penalty=args.frequency_penalty,
+                                repetition_penalty=args.repetition_penalty)
         spec_kw = dict(budget=args.budget, fanout=args.fanout, backup=args.backup, c=args.c,
                        ar_fallback=args.ar_fallback)
         spec = SpecConfig(k=args.k, **spec_kw)

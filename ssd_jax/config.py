@@ -160,6 +160,14 @@ class SamplingParams:
     # vLLM's min_tokens: the first min_tokens tokens of the answer are never a stop token
     # (EOS or stop_token_ids); 0: off.
     min_tokens: int = 0
+    # Penalties on the target's logits, as OpenAI and vLLM define them (0, 0 and 1: off).
+    # presence / frequency: subtract the value once / once per occurrence from the logit of
+    # each token the answer already holds, in [-2, 2]. repetition (vLLM's, after the CTRL
+    # paper): the logit of each token in the prompt or the answer is divided by it when
+    # positive and multiplied by it when negative, > 0.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         _require_ints(self, "top_k", "max_new_tokens", "min_tokens")
@@ -191,6 +199,22 @@ class SamplingParams:
         if self.max_new_tokens < 1:
             raise ValueError(
                 f"max_new_tokens={self.max_new_tokens} is invalid: ask for at least 1 token")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name}={v!r} is invalid: it must lie in [-2, 2]; 0 turns "
+                                 "it off")
+        v = self.repetition_penalty
+        if (isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v)
+                or v <= 0):
+            raise ValueError(f"repetition_penalty={v!r} is invalid: give a finite value > 0 "
+                             "(1 turns it off; > 1 discourages repeats)")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty is on (the programs then carry per-row token counts)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
 
 
 @no_type_check  # validates itself, as SamplingParams

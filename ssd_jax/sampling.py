@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, Key
+from jaxtyping import Array, Bool, Float, Int, Key
 
 # top-p keeps the smallest set of tokens whose mass reaches top_p. Mass is summed in fp32, so a set
 # whose exact mass equals top_p can come out a few ulps short; this slack makes that edge resolve
@@ -71,6 +71,26 @@ def add_bias(logits: Float[Array, "B *S V"], ids: Int[Array, "B W"], bias: Float
     dense = jnp.zeros((B, V), jnp.float32).at[jnp.arange(B)[:, None], ids].add(
         bias.astype(jnp.float32))
     return logits + dense.reshape((B,) + (1,) * (logits.ndim - 2) + (V,))
+
+
+def penalize(logits: Float[Array, "B S V"], counts: Int[Array, "B S V"],
+             in_prompt: Bool[Array, "B V"], presence: Float[Array, " B"],
+             frequency: Float[Array, " B"], repetition: Float[Array, " B"]
+             ) -> Float[Array, "B S V"]:
+    """Each row's penalties at each position, given how often each token appeared in the
+    answer before that position (`counts`) and which tokens the prompt holds. The rules are
+    vLLM's (and OpenAI's for presence and frequency): a token seen in the prompt or the answer
+    has its logit divided by `repetition` when positive, multiplied when negative; then a token
+    the answer holds loses `frequency` per occurrence and `presence` once. Rows whose settings
+    are 0, 0 and 1 keep their logits bit for bit."""
+    logits = logits.astype(jnp.float32)
+    in_answer = counts > 0
+    rep = repetition[:, None, None]
+    seen = in_answer | in_prompt[:, None, :]
+    logits = jnp.where(seen & (rep != 1.0), jnp.where(logits > 0, logits / rep, logits * rep),
+                       logits)
+    return (logits - frequency[:, None, None] * counts.astype(jnp.float32)
+            - presence[:, None, None] * in_answer.astype(jnp.float32))
 
 
 def process_probs(

@@ -8,6 +8,7 @@ is a valid `float`, as the annotation means); `typing.no_type_check` keeps the h
 user-facing entry points that check their own arguments with errors naming the fix."""
 from __future__ import annotations
 
+import collections
 import sys
 from pathlib import Path
 
@@ -120,6 +121,33 @@ def save_noisy_draft(hf_model, path, *, scale: float = 0.02, seed: int = 1):
                            for k, v in hf_model.state_dict().items()})
     draft.save_pretrained(path, safe_serialization=True)
     return draft
+
+
+def drive_live(live, requests, slots):
+    """A live batch (core/live.py) fed as a server feeds it: (ids, params) requests join free
+    slots between rounds until all are done. Returns each request's tokens."""
+    pending = collections.deque(enumerate(requests))
+    active, out = {}, {}
+    while pending or active:
+        for slot in live.free_slots():
+            if not pending or slot in active:
+                continue
+            i, (ids, params) = pending.popleft()
+            out[i] = [live.join(slot, ids, params, [])[0]]
+            active[slot] = i
+            if params.max_new_tokens == 1:
+                live.leave(slot)
+                del active[slot]
+        if not active:
+            continue
+        toks, done, _, _ = live.step()
+        for slot, i in list(active.items()):
+            want = requests[i][1].max_new_tokens
+            out[i] += [int(t) for t in toks[slot] if t >= 0][:want - len(out[i])]
+            if len(out[i]) >= want:
+                live.leave(slot)
+                del active[slot]
+    return [out[i] for i in range(len(requests))]
 
 
 @pytest.fixture(scope="session")

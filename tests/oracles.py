@@ -6,6 +6,7 @@ Test files import from here (or take conftest fixtures), never from each other.
   distribution test; drawing something the law rules out fails outright).
 - `exact_sequence_probs`: the target's exact law of its first tokens, by enumerating every
   continuation through transformers (the reference for sampled SD and SSD).
+- `penalised_logits`: presence / frequency / repetition penalties, token by token.
 - `token_logprobs`: transformers' log_softmax at the positions that predicted each emitted token
   (one forward over prompt + output: no cache, no speculation).
 - `dequantize`: a numpy decoder of ggml's quantised blocks (Q8_0, Q5_0, Q4_K, Q6_K), written from
@@ -49,12 +50,14 @@ def chi2_pvalue(counts, probs) -> float:
 
 def exact_sequence_probs(hf_model, prompt: list[int], temperature: float, top_p: float,
                          n_out: int, bias: dict[int, float] | None = None,
-                         no_stop: tuple[list[int], int] = ((), 0)
+                         no_stop: tuple[list[int], int] = ((), 0),
+                         penalties: tuple[float, float, float] | None = None
                          ) -> dict[tuple[int, ...], float]:
     """P(first n_out tokens after `prompt`) under a (tiny-vocabulary) transformers model, for
     every sequence: one batched forward over all V^n_out continuations, `bias` (OpenAI's
-    logit_bias) added to the logits, `no_stop` = (ids, m) banned from the first m tokens
-    (vLLM's min_tokens), temperature and top-p applied in float64 numpy."""
+    logit_bias) added to the logits, then `penalties` = (presence, frequency, repetition)
+    (penalised_logits), `no_stop` = (ids, m) banned from the first m tokens (vLLM's
+    min_tokens), temperature and top-p applied in float64 numpy."""
     import torch
     V = hf_model.config.vocab_size
     seqs = list(itertools.product(range(V), repeat=n_out))
@@ -63,6 +66,10 @@ def exact_sequence_probs(hf_model, prompt: list[int], temperature: float, top_p:
         logits = hf_model(ids).logits.double().numpy()[:, len(prompt) - 1:-1]  # [N, n_out, V]
     for t, v in (bias or {}).items():
         logits[..., t] += v
+    if penalties is not None:
+        for n, seq in enumerate(seqs):
+            for i in range(n_out):
+                logits[n, i] = penalised_logits(logits[n, i], prompt, seq[:i], *penalties)
     ids_banned, m = no_stop
     for t in ids_banned:
         logits[:, :m, t] = -np.inf
@@ -80,6 +87,21 @@ def exact_sequence_probs(hf_model, prompt: list[int], temperature: float, top_p:
     toks = np.array(seqs)
     per_tok = np.take_along_axis(p, toks[..., None], -1)[..., 0]
     return dict(zip(seqs, per_tok.prod(-1)))
+
+
+def penalised_logits(logits, prompt, answer, presence: float, frequency: float,
+                     repetition: float) -> np.ndarray:
+    """One position's logits after the penalties, token by token as vLLM's documentation
+    states them: a token that occurs in the prompt or in the answer so far has its logit
+    divided by `repetition` if positive, else multiplied by it; then each token loses
+    `frequency` times its count in the answer, and `presence` if it occurs there at all."""
+    out = np.array(logits, np.float64)
+    for v in range(out.shape[-1]):
+        c = list(answer).count(v)
+        if c > 0 or v in prompt:
+            out[v] = out[v] / repetition if out[v] > 0 else out[v] * repetition
+        out[v] -= frequency * c + presence * (c > 0)
+    return out
 
 
 # --- an independent decoder of ggml's block layouts -----------------------------------------

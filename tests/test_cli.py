@@ -11,6 +11,8 @@ from ssd_jax.__main__ import main
     (["hi", "--model", "smollm2", "--mode", "ar", "--max-new-tokens", "5000"],
      "raise --max-seq-len"),
     (["hi", "--model", "/no/such/model", "--mode", "ar"], "not found"),
+    (["hi", "--model", "smollm2", "--repetition-penalty", "0"],
+     "repetition_penalty=0.0 is invalid: give a finite value > 0"),
 ])
 def test_bad_input_is_one_line(argv, needle, capsys):
     assert main(argv) == 2

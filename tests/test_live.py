@@ -9,36 +9,11 @@ import pytest
 from ssd_jax import LLM, EngineConfig, SamplingParams
 from ssd_jax.config import SpecConfig
 from ssd_jax.loading import load
+from tests.conftest import drive_live as drive
 from tests.conftest import make_hf_model, save_noisy_draft
 from tests.oracles import chi2_pvalue, exact_sequence_probs
 
 PROMPTS = [[5, 9, 11], list(range(20, 39)), [7] * 8, [3, 1, 4, 1, 5, 9, 2, 6], [100, 2, 60]]
-
-
-def drive(live, requests, slots):
-    """Join requests into free slots between rounds until all are done; returns tokens."""
-    pending = collections.deque(enumerate(requests))
-    active, out = {}, {}
-    while pending or active:
-        for slot in live.free_slots():
-            if not pending or slot in active:
-                continue
-            i, (ids, params) = pending.popleft()
-            out[i] = [live.join(slot, ids, params, [])[0]]
-            active[slot] = i
-            if params.max_new_tokens == 1:
-                live.leave(slot)
-                del active[slot]
-        if not active:
-            continue
-        toks, done, _, _ = live.step()
-        for slot, i in list(active.items()):
-            want = requests[i][1].max_new_tokens
-            out[i] += [int(t) for t in toks[slot] if t >= 0][:want - len(out[i])]
-            if len(out[i]) >= want:
-                live.leave(slot)
-                del active[slot]
-    return [out[i] for i in range(len(requests))]
 
 
 @pytest.fixture(scope="module")

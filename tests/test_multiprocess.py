@@ -49,6 +49,16 @@ def test_two_process_ssd_equals_ar(paths):
         assert m.ssd.hit_rate > 0 and m.decode_tok_s > 0
         pids = [proc.pid for proc in llm.pool.procs.values()]
         assert len(_alive(pids)) == 2
+        # Penalties on a row: the target worker's rows carry the counts (asked for by the
+        # params it receives); the answer is the single-process one.
+        pen = [p, SamplingParams(max_new_tokens=20, ignore_eos=True, presence_penalty=0.6,
+                                 frequency_penalty=0.7, repetition_penalty=1.5), p]
+        single = LLM(target, draft=draft, spec=SpecConfig(k=3, budget=8),
+                     engine=EngineConfig(max_batch=4, max_seq_len=256, prefill_bucket=16,
+                                         driver="single"))
+        want = [o.token_ids for o in single.generate(PROMPTS, pen, mode="ar", chat=False)]
+        assert want[1] != out[1].token_ids  # the penalties move that row
+        assert [o.token_ids for o in llm.generate(PROMPTS, pen, mode="ssd")] == want
     assert _alive(pids) == []
 
 

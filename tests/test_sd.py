@@ -56,6 +56,10 @@ def test_sd_stop_token_matches_ar(tiny_target, tiny_draft):
     sd = llm.generate(PROMPTS, p, mode="sd")
     assert [o.token_ids for o in sd] == [o.token_ids for o in ar]
     assert sd[0].finish_reason == "stop" and sd[0].token_ids[-1] == stop
+    # The AR rows stop on the device too (a K = 0 round's emitted token once went uncounted,
+    # so AR ran to the budget and the host cut the answer): far fewer than 15 steps.
+    alone = llm.generate([PROMPTS[0]], p, mode="ar")[0]
+    assert alone.token_ids == ar[0].token_ids and alone.metrics.decode_steps <= 8
 
 
 # ---------------------------------------------------------------- distribution (tiny vocab)
@@ -145,9 +149,9 @@ def test_logit_bias_test_has_teeth(vocab6, monkeypatch):
     import ssd_jax.core.target as target_mod
     target, draft, hf_target = vocab6
     unbiased = target_mod.target_logits
-    monkeypatch.setattr(target_mod, "target_logits", lambda logits, req, first: unbiased(
+    monkeypatch.setattr(target_mod, "target_logits", lambda logits, req, *rest: unbiased(
         logits, req._replace(sampling=req.sampling._replace(bias=req.sampling.bias * 0)),
-        first))
+        *rest))
     jax.clear_caches()
     probs = exact_sequence_probs(hf_target, [1, 2, 3], 0.9, 1.0, N_OUT, bias=BIAS)
     counts = _sd_sample_counts(target, draft, [1, 2, 3], 0.9, 1.0, 3200, bias=BIAS)

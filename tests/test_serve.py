@@ -405,6 +405,28 @@ def test_logit_bias_moves_the_answer(served):
         assert e.status_code == 400 and e.json()["error"]["param"] == "logit_bias", e.text
 
 
+def test_penalties_are_served(served):
+    """OpenAI's presence_penalty and frequency_penalty, vLLM's repetition_penalty: the served
+    answer equals offline generate with the same penalties (exactness: tests/test_penalties.py);
+    values out of range are 400s naming the field."""
+    import httpx
+    server, url, want = served
+    p = PROMPTS[5]
+    _, n, _ = want["long", p]
+    pen = dict(presence_penalty=0.8, frequency_penalty=1.1, repetition_penalty=1.3)
+    offline = _offline(server, p, n, **pen)
+    assert offline.token_ids != _offline(server, p, n).token_ids
+    r = _client(url).completions.create(
+        model=MODEL, prompt=p, max_tokens=n, temperature=0, presence_penalty=0.8,
+        frequency_penalty=1.1, extra_body={"ignore_eos": True, "repetition_penalty": 1.3})
+    assert r.choices[0].text == offline.text
+    for field, bad in [("presence_penalty", 2.5), ("frequency_penalty", "1"),
+                       ("repetition_penalty", 0), ("repetition_penalty", -1.0)]:
+        e = httpx.post(url + "/v1/completions", timeout=30, json={
+            "model": MODEL, "prompt": p, "max_tokens": 2, field: bad})
+        assert e.status_code == 400 and e.json()["error"]["param"] == field, e.text
+
+
 def test_tokenizer_endpoints_as_vllm_has_them(served):
     """POST /tokenize (text or chat messages), POST /detokenize, GET /tokenizer_info: the
     server's own tokenizer, as completions and chat encode; bad bodies are 400s."""

@@ -196,7 +196,8 @@ def _draft_state(runner, prompt, last, spec, fan, temperature):
                     Speculation(spec, None, no, no), FanLists(fan, fan))
     req = Requests(RowSampling(jnp.full(B, temperature), jnp.zeros(B, jnp.int32), jnp.ones(B),
                                jax.vmap(jax.random.key)(jnp.arange(B, dtype=jnp.uint32)),
-                               jnp.zeros((B, 1), jnp.int32), jnp.zeros((B, 1))),
+                               jnp.zeros((B, 1), jnp.int32), jnp.zeros((B, 1)), jnp.zeros(B),
+                               jnp.zeros(B), jnp.ones(B)),
                    jnp.full((B, 1), -1, jnp.int32), jnp.full((B,), 100, jnp.int32),
                    jnp.zeros((B,), jnp.int32))
     return ds, req

@@ -35,6 +35,8 @@ class Batch:
     # A real row asked for its prompt's log-probabilities (then `logprobs` is set too): the
     # prefill scores every prompt position (runner.prefill).
     prompt_logprobs: bool = False
+    # A real row asked for a penalty: the target's rows carry token counts (rows.Seen).
+    penalties: bool = False
 
     @property
     def size(self) -> int:
@@ -91,7 +93,10 @@ def make_batch(ids: list[list[int]], params: list[SamplingParams], stops: list[l
         top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
         top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
         keys=jax.vmap(jax.random.key)(jnp.asarray([_seed(p) for p in params], jnp.uint32)),
-        bias_ids=jnp.asarray(bias_ids), bias=jnp.asarray(bias))
+        bias_ids=jnp.asarray(bias_ids), bias=jnp.asarray(bias),
+        presence=jnp.asarray([p.presence_penalty for p in params], jnp.float32),
+        frequency=jnp.asarray([p.frequency_penalty for p in params], jnp.float32),
+        repetition=jnp.asarray([p.repetition_penalty for p in params], jnp.float32))
     req = Requests(sampling, jnp.asarray(stop_ids),
                    jnp.asarray([p.max_new_tokens for p in params], jnp.int32),
                    jnp.asarray([p.min_tokens for p in params], jnp.int32))
@@ -101,4 +106,5 @@ def make_batch(ids: list[list[int]], params: list[SamplingParams], stops: list[l
                  max_steps=max(p.max_new_tokens for p in params[:n]),
                  logprobs=MAX_LOGPROBS if any(p.logprobs is not None or p.prompt_logprobs
                                               is not None for p in params[:n]) else None,
-                 prompt_logprobs=any(p.prompt_logprobs is not None for p in params[:n]))
+                 prompt_logprobs=any(p.prompt_logprobs is not None for p in params[:n]),
+                 penalties=any(p.penalized for p in params[:n]))

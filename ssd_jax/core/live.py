@@ -10,8 +10,9 @@ Rows never see each other (attention, sampling keys and verification are per row
 request's tokens do not depend on what else runs: greedy output equals offline `generate`.
 
 The batch is built with greedy_only=False, so one set of programs serves greedy and sampled
-requests alike (greedy rows take exact argmaxes inside them), and with STOP_WIDTH stop ids per
-row, so every join writes rows of one shape.
+requests alike (greedy rows take exact argmaxes inside them), with penalties=True (the target's
+rows always carry token counts, so a request with penalties joins the same programs), and with
+STOP_WIDTH stop ids per row, so every join writes rows of one shape.
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def _live(b: Batch) -> Batch:
     s = b.req.sampling
     sampling = s._replace(bias_ids=_pad(s.bias_ids, BIAS_WIDTH, 0, "logit_bias entries"),
                           bias=_pad(s.bias, BIAS_WIDTH, 0.0, "logit_bias entries"))
-    return replace(b, greedy_only=False, req=b.req._replace(
+    return replace(b, greedy_only=False, penalties=True, req=b.req._replace(
         stop_ids=_pad(b.req.stop_ids, STOP_WIDTH, -1, "stop token ids"), sampling=sampling))
 
 

@@ -98,7 +98,7 @@ class TargetSide:
         (runner.prefill)."""
         b = self.batch
         rows, cache, lp = self.runner.prefill(b.tokens, b.prompt_len, self.cache, b.req, logprobs,
-                                              prompt_logprobs)
+                                              prompt_logprobs, b.penalties)
         return TargetState(rows, cache), lp
 
     def verify(self, state: TargetState, spec: Speculation, logprobs: int | None = None):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Key
 
-from ssd_jax.sampling import add_bias
+from ssd_jax.sampling import add_bias, penalize
 
 # Key streams per row: target sampling, draft proposals and verification draw independent
 # randomness, each indexed by position so a row's samples do not depend on its neighbours.
@@ -31,6 +31,10 @@ class RowSampling(NamedTuple):
     # logit_bias as W (id, value) pairs per row, padded with (0, 0.0): sampling.add_bias.
     bias_ids: Int[Array, "B W"]
     bias: Float[Array, "B W"]
+    # SamplingParams' presence / frequency / repetition penalties (0, 0, 1: off).
+    presence: Float[Array, " B"]
+    frequency: Float[Array, " B"]
+    repetition: Float[Array, " B"]
 
 
 class Requests(NamedTuple):
@@ -44,12 +48,23 @@ class Requests(NamedTuple):
     min_new: Int[Array, " B"]
 
 
+class Seen(NamedTuple):
+    """What the penalties read (sampling.penalize): how often each token occurs in each row's
+    answer so far (the newest emitted token included), and which tokens its prompt holds."""
+
+    counts: Int[Array, "B V"]
+    in_prompt: Bool[Array, "B V"]
+
+
 class RowState(NamedTuple):
     """Device-side state of the rows between steps (AR) or rounds (SD, SSD).
 
     prev: the token at position lengths-1 (committed). last: the newest emitted token r, at
     position `lengths`, not yet in any cache. generated: tokens emitted so far (r included).
     done: a stop token was emitted or the budget reached; the row's length is frozen.
+    seen: the target's token counts for the penalties, None in a batch where no row asked for
+    one (its programs then compute nothing for them) and always on the draft side, which
+    proposes without penalties (verification against the penalised target stays exact).
     """
 
     prev: Int[Array, " B"]
@@ -57,6 +72,25 @@ class RowState(NamedTuple):
     lengths: Int[Array, " B"]
     generated: Int[Array, " B"]
     done: Bool[Array, " B"]
+    seen: Seen | None = None
+
+
+def prompt_seen(tokens: Int[Array, "B T"], prompt_len: Int[Array, " B"], vocab_size: int
+                ) -> Seen:
+    """The penalties' state before the first answer token: no counts, the prompts' tokens."""
+    B, T = tokens.shape
+    real = (jnp.arange(T) < prompt_len[:, None]).astype(jnp.int32)
+    in_prompt = jnp.zeros((B, vocab_size), jnp.int32).at[jnp.arange(B)[:, None], tokens].max(
+        real) > 0
+    return Seen(jnp.zeros((B, vocab_size), jnp.int32), in_prompt)
+
+
+def _count(seen: Seen, tokens: Int[Array, "B S"]) -> Seen:
+    """`seen` with the tokens >= 0 of each row counted once more (-1 is padding)."""
+    B = tokens.shape[0]
+    counts = seen.counts.at[jnp.arange(B)[:, None], jnp.maximum(tokens, 0)].add(
+        (tokens >= 0).astype(jnp.int32))
+    return seen._replace(counts=counts)
 
 
 def row_keys(sampling: RowSampling, stream: int, positions: Int[Array, " B"]) -> Key[Array, " B"]:
@@ -65,17 +99,33 @@ def row_keys(sampling: RowSampling, stream: int, positions: Int[Array, " B"]) ->
         sampling.keys, positions)
 
 
-def target_logits(logits: Float[Array, "B S V"], req: Requests, first: Int[Array, " B"]
+def target_logits(logits: Float[Array, "B S V"], req: Requests, first: Int[Array, " B"],
+                  seen: Seen | None = None, drafts: Int[Array, "B K"] | None = None
                   ) -> Float[Array, "B S V"]:
     """The logits whose distribution the output follows: the raw logits plus each row's
-    logit_bias, with the row's stop ids at -inf where position s would emit answer token
+    logit_bias, then its penalties given `seen` (position s counts the drafts before it,
+    drafts[:, :s], as emitted: the law of position s is the one that holds once they are
+    accepted), with the row's stop ids at -inf where position s would emit answer token
     number first + s (1-based) <= min_tokens. Only the target's logits go through this: the
     draft may propose anything, and verification against these stays exact."""
     s = req.sampling
     logits = add_bias(logits, s.bias_ids, s.bias)
-    S = logits.shape[1]
+    B, S, V = logits.shape
+    if seen is not None:
+        def penalized(x):
+            counts = jnp.broadcast_to(seen.counts[:, None], (B, S, V))
+            if drafts is not None and S > 1:
+                # in_draft[b, j, v]: draft j of row b is v; position s adds drafts j < s.
+                in_draft = (drafts[:, :S - 1, None] == jnp.arange(V)).astype(jnp.int32)
+                counts = counts + jnp.concatenate(
+                    [jnp.zeros((B, 1, V), jnp.int32), jnp.cumsum(in_draft, axis=1)], axis=1)
+            return penalize(x, counts, seen.in_prompt, s.presence, s.frequency, s.repetition)
+
+        on = (s.presence != 0) | (s.frequency != 0) | (s.repetition != 1)
+        # The vocabulary-wide passes only when some row asks (a live batch always carries
+        # the counts, and most of its requests set no penalty).
+        logits = jax.lax.cond(jnp.any(on), penalized, lambda x: x.astype(jnp.float32), logits)
     early = (first[:, None] + jnp.arange(S)) <= req.min_new[:, None]  # [B, S]
-    B, V = logits.shape[0], logits.shape[-1]
     # A scatter-max, so the -1 padding (sent to id 0 with value 0) marks nothing.
     is_stop_id = jnp.zeros((B, V), jnp.int32).at[jnp.arange(B)[:, None], jnp.maximum(
         req.stop_ids, 0)].max((req.stop_ids >= 0).astype(jnp.int32)) > 0
@@ -87,19 +137,22 @@ def is_stop(tokens: Int[Array, " B"], stop_ids: Int[Array, "B S"]) -> Bool[Array
 
 
 def start_rows(tokens: Int[Array, "B T"], prompt_len: Int[Array, " B"], first: Int[Array, " B"],
-               req: Requests) -> RowState:
-    """The rows after prefill sampled `first` at position prompt_len (both sides build it)."""
+               req: Requests, seen: Seen | None = None) -> RowState:
+    """The rows after prefill sampled `first` at position prompt_len (both sides build it;
+    the target's with `seen`, prompt_seen's, when the batch has penalties)."""
     prev = jnp.take_along_axis(tokens, (prompt_len - 1)[:, None], 1)[:, 0]
     done = is_stop(first, req.stop_ids) | (req.max_new <= 1)
-    return RowState(prev, first, prompt_len, jnp.ones_like(prompt_len), done)
+    seen = None if seen is None else _count(seen, first[:, None])
+    return RowState(prev, first, prompt_len, jnp.ones_like(prompt_len), done, seen)
 
 
 def emitted_tokens(drafts: Int[Array, "B K"], n: Int[Array, " B"], t: Int[Array, " B"]
                    ) -> Int[Array, "B K1"]:
     """s_1..s_n, t*, then -1 padding: the n+1 tokens a round emits."""
-    K = drafts.shape[1]
+    B, K = drafts.shape
     idx = jnp.arange(K + 1)[None]
-    padded = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
+    # (zeros_like(drafts[:, :1]) would be [B, 0] when K = 0, an AR step, losing t)
+    padded = jnp.concatenate([drafts, jnp.zeros((B, 1), drafts.dtype)], axis=1)
     return jnp.where(idx < n[:, None], padded, jnp.where(idx == n[:, None], t[:, None], -1))
 
 
@@ -120,4 +173,7 @@ def advance(rows: RowState, drafts: Int[Array, "B K"], n: Int[Array, " B"],
                    lengths=jnp.where(frozen, rows.lengths, rows.lengths + n + 1),
                    generated=jnp.where(frozen, rows.generated, generated),
                    done=done)
-    return new, jnp.where(frozen[:, None], -1, out)
+    out = jnp.where(frozen[:, None], -1, out)
+    if rows.seen is not None:
+        new = new._replace(seen=_count(rows.seen, out))
+    return new, out

@@ -22,8 +22,8 @@ from jaxtyping import Array, Bool, Float, Int
 from ssd_jax.config import ModelConfig
 from ssd_jax.core.graph import Graph
 from ssd_jax.core.logprobs import TokenLogprobs, blockwise_token_logprobs, token_logprobs
-from ssd_jax.core.rows import (SAMPLE_STREAM, Requests, RowState, advance, row_keys, start_rows,
-                               target_logits)
+from ssd_jax.core.rows import (SAMPLE_STREAM, Requests, RowState, Seen, advance, prompt_seen,
+                               row_keys, start_rows, target_logits)
 from ssd_jax.draft_vocab import DraftModel
 from ssd_jax.models.attention import causal_mask
 from ssd_jax.models.transformer import KVCache, Transformer, commit
@@ -36,11 +36,11 @@ def _merge(graphdef, params) -> Transformer | DraftModel:
 
 
 def _sample(logits: Float[Array, "B V"], req: Requests, positions: Int[Array, " B"],
-            number: Int[Array, " B"]) -> Int[Array, " B"]:
+            number: Int[Array, " B"], seen: Seen | None) -> Int[Array, " B"]:
     """Draw answer token `number` (1-based) of each row from rows.target_logits."""
     s = req.sampling
-    return next_token(target_logits(logits[:, None], req, number)[:, 0], s.temperature, s.top_k,
-                      s.top_p, row_keys(s, SAMPLE_STREAM, positions))
+    return next_token(target_logits(logits[:, None], req, number, seen)[:, 0], s.temperature,
+                      s.top_k, s.top_p, row_keys(s, SAMPLE_STREAM, positions))
 
 
 @partial(jax.jit, static_argnames=("graphdef",))
@@ -60,10 +60,10 @@ def fill_kv(graphdef, params, tokens: Int[Array, "B T"], cache: KVCache):
                                     logit_index=jnp.zeros((B, 1), jnp.int32))
 
 
-@partial(jax.jit, static_argnames=("graphdef", "logprobs", "prompt_logprobs"))
+@partial(jax.jit, static_argnames=("graphdef", "logprobs", "prompt_logprobs", "penalties"))
 def prefill(graphdef, params, tokens: Int[Array, "B T"], prompt_len: Int[Array, " B"],
             cache: KVCache, req: Requests, logprobs: int | None = None,
-            prompt_logprobs: bool = False
+            prompt_logprobs: bool = False, penalties: bool = False
             ) -> tuple[RowState, KVCache, TokenLogprobs | None]:
     """Right-padded prompts -> the first sampled token, the prompt K/V (not yet committed) and,
     given `logprobs` (a top-N width), the first token's log-probabilities (logprobs.py), [B, 1].
@@ -73,6 +73,8 @@ def prefill(graphdef, params, tokens: Int[Array, "B T"], prompt_len: Int[Array, 
     the first sampled token (positions past it are padding). The first token is still drawn
     from the last position's logits alone, the program a request without them runs, so asking
     moves no token.
+
+    `penalties`: the rows carry the token counts the penalties read (rows.Seen), from here on.
 
     Padding needs no extra mask: under the causal mask a real token at t < len only sees
     keys <= t, and the pad slots' K/V are overwritten by later commits."""
@@ -84,7 +86,8 @@ def prefill(graphdef, params, tokens: Int[Array, "B T"], prompt_len: Int[Array, 
     model = _merge(graphdef, params)
     x, new_kv = model.hidden(tokens, positions, cache, no_prefix, causal_mask(B, T))
     logits = model.head(x, (prompt_len - 1)[:, None])
-    first = _sample(logits[:, 0], req, prompt_len, jnp.ones_like(prompt_len))
+    seen = prompt_seen(tokens, prompt_len, logits.shape[-1]) if penalties else None
+    first = _sample(logits[:, 0], req, prompt_len, jnp.ones_like(prompt_len), seen)
     lp = None
     if logprobs is not None and prompt_logprobs:
         nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], axis=1)
@@ -92,7 +95,7 @@ def prefill(graphdef, params, tokens: Int[Array, "B T"], prompt_len: Int[Array, 
         lp = blockwise_token_logprobs(model.head, x, nxt, logprobs)
     elif logprobs is not None:
         lp = token_logprobs(logits, first[:, None], logprobs)
-    return start_rows(tokens, prompt_len, first, req), new_kv, lp
+    return start_rows(tokens, prompt_len, first, req, seen), new_kv, lp
 
 
 @partial(jax.jit, static_argnames=("graphdef", "logprobs"))
@@ -105,7 +108,7 @@ def decode_step(graphdef, params, rows: RowState, cache: KVCache, req: Requests,
     B = rows.last.shape[0]
     logits, new_kv = _merge(graphdef, params)(rows.last[:, None], rows.lengths[:, None], cache,
                                               rows.lengths, jnp.ones((B, 1, 1), bool))
-    nxt = _sample(logits[:, 0], req, rows.lengths + 1, rows.generated + 1)
+    nxt = _sample(logits[:, 0], req, rows.lengths + 1, rows.generated + 1, rows.seen)
     new, _ = advance(rows, jnp.zeros((B, 0), jnp.int32), jnp.zeros_like(nxt), nxt, req)
     lp = None if logprobs is None else token_logprobs(logits, nxt[:, None], logprobs)
     return new, new_kv, lp
@@ -131,10 +134,10 @@ class ModelRunner:
         return new_cache(self.config, batch, seq_len, self.mesh)
 
     def prefill(self, tokens, prompt_len, cache, req: Requests, logprobs: int | None = None,
-                prompt_logprobs: bool = False
+                prompt_logprobs: bool = False, penalties: bool = False
                 ) -> tuple[RowState, KVCache, TokenLogprobs | None]:
         rows, new_kv, lp = prefill(self.graphdef, self.leaves, tokens, prompt_len, cache, req,
-                                   logprobs, prompt_logprobs)
+                                   logprobs, prompt_logprobs, penalties)
         return rows, commit(cache, new_kv, prompt_len * 0), lp  # on prompt_len's devices
 
     def decode(self, rows: RowState, cache: KVCache, req: Requests, logprobs: int | None = None

@@ -45,9 +45,9 @@ def verify_step(graphdef, params, state: TargetState, spec: Speculation, req: Re
     logits, kv = graphdef.merge(params)(tokens, positions, state.cache, rows.lengths,
                                              causal_mask(B, K + 1))
     s = req.sampling
-    # The distribution the output follows: bias, min_tokens (position i emits answer token
-    # generated + i + 1).
-    biased = target_logits(logits, req, rows.generated + 1)
+    # The distribution the output follows: bias, penalties (position i counts s_1..s_i),
+    # min_tokens (position i emits answer token generated + i + 1).
+    biased = target_logits(logits, req, rows.generated + 1, rows.seen, spec.tokens)
     if greedy_only:
         n, t = verify_greedy(biased, spec.tokens)
     else:

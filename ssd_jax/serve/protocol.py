@@ -2,9 +2,9 @@
 
 A request becomes a `Job` (prompt token ids, SamplingParams, stop strings, streaming flags,
 log-probabilities asked for) or an `APIError` naming the field and the fix: fields the engine
-does not support (best_of, tools, penalties ...) are refused, never silently ignored. Purely
+does not support (best_of, tools ...) are refused, never silently ignored. Purely
 informational fields (user, metadata) are accepted. Extensions, as in vLLM: `top_k`, `ignore_eos`,
-`stop_token_ids`, `min_tokens`.
+`stop_token_ids`, `min_tokens`, `repetition_penalty`.
 
 A completions request may hold several prompts (a list of strings or of token-id lists): `parse`
 makes one job per prompt. `n` > 1 asks for several choices of each: `choices_of` makes one job
@@ -68,14 +68,12 @@ class Job:
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
           "ignore_eos", "stop_token_ids", "min_tokens",
           "stream_options", "n", "user", "metadata", "logprobs", "presence_penalty",
-          "frequency_penalty", "logit_bias"}
+          "frequency_penalty", "repetition_penalty", "logit_bias"}
 FIELDS = {"completion": COMMON | {"prompt", "echo", "best_of", "suffix"},
           "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                             "tool_choice", "parallel_tool_calls", "response_format"}}
 # Fields whose only supported value is "off": (field, the values that mean off).
-OFF = {"best_of": (None, 1),
-       "presence_penalty": (None, 0, 0.0),
-       "frequency_penalty": (None, 0, 0.0), "suffix": (None, ""),
+OFF = {"best_of": (None, 1), "suffix": (None, ""),
        "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
        "response_format": (None, {"type": "text"})}
 
@@ -199,10 +197,14 @@ def parse(kind: str, body, *, model_name: str, encode) -> list[Job]:
             max_new_tokens=max_tokens or max(1, min_tokens),
             seed=None if seed is None else seed % 2**32, min_tokens=min_tokens,
             ignore_eos=flag(body, "ignore_eos"), stop_token_ids=_token_ids(body),
-            logit_bias=_logit_bias(body))
+            logit_bias=_logit_bias(body),
+            presence_penalty=_number(body, "presence_penalty", float, 0.0, -2.0, 2.0),
+            frequency_penalty=_number(body, "frequency_penalty", float, 0.0, -2.0, 2.0),
+            repetition_penalty=_number(body, "repetition_penalty", float, 1.0))
     except ValueError as e:
         msg = str(e).splitlines()[0]
-        raise APIError(400, msg, next((f for f in ("top_k", "top_p", "temperature", "min_tokens")
+        raise APIError(400, msg, next((f for f in ("top_k", "top_p", "temperature", "min_tokens",
+                                                   "repetition_penalty")
                                        if msg.startswith(f + "=")), None))
     stop, lp, n = _stop(body), _logprobs(kind, body), _number(body, "n", int, 1, 1)
     return [Job(kind, model, p, params, stop, stream, bool(stream_options.get("include_usage")),
