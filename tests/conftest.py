@@ -111,6 +111,19 @@ def with_word_tokenizer(src: Path, dst: Path) -> Path:
     return dst
 
 
+# The 6-token model of the distribution tests: small enough to enumerate every continuation
+# (oracles.exact_sequence_probs), sharp enough that drafts are rejected.
+VOCAB6 = dict(vocab_size=6, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+              num_key_value_heads=1, num_hidden_layers=1, tie_word_embeddings=False,
+              bos_token_id=0, eos_token_id=0)
+
+
+def make_vocab6(path, seed: int = 3):
+    """A random 6-token Llama saved at `path` (seed 3: the target of every distribution test);
+    returns the transformers model."""
+    return make_hf_model(path, "llama", seed=seed, **VOCAB6)
+
+
 def save_noisy_draft(hf_model, path, *, scale: float = 0.02, seed: int = 1):
     """Save `hf_model`'s weights plus Gaussian noise as an HF model at `path`: a draft that
     agrees with the target often but not always (acceptance partial, cache hits and misses)."""

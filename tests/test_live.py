@@ -10,7 +10,7 @@ from ssd_jax import LLM, EngineConfig, SamplingParams
 from ssd_jax.config import SpecConfig
 from ssd_jax.loading import load
 from tests.conftest import drive_live as drive
-from tests.conftest import make_hf_model, save_noisy_draft
+from tests.conftest import make_vocab6, save_noisy_draft
 from tests.oracles import chi2_pvalue, exact_sequence_probs
 
 PROMPTS = [[5, 9, 11], list(range(20, 39)), [7] * 8, [3, 1, 4, 1, 5, 9, 2, 6], [100, 2, 60]]
@@ -40,10 +40,7 @@ def test_joining_rows_equal_offline_greedy(pair, mode):
 @pytest.fixture(scope="module")
 def vocab6(tmp_path_factory):
     tp, dp, noisy = (tmp_path_factory.mktemp(n) for n in ("t6l", "d6l", "d6ln"))
-    kw = dict(vocab_size=6, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-              num_key_value_heads=1, num_hidden_layers=1, tie_word_embeddings=False,
-              bos_token_id=0, eos_token_id=0)
-    t = make_hf_model(tp, "llama", seed=3, **kw)
+    t = make_vocab6(tp)
     save_noisy_draft(t, dp, scale=0.05, seed=5)
     save_noisy_draft(t, noisy, scale=0.3, seed=5)
     return load(tp)[0], load(dp)[0], load(noisy)[0], t

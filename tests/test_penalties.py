@@ -12,7 +12,7 @@ from ssd_jax import LLM, EngineConfig, SamplingParams
 from ssd_jax.config import SpecConfig
 from ssd_jax.loading import load
 from ssd_jax.sampling import penalize
-from tests.conftest import drive_live, make_hf_model, save_noisy_draft
+from tests.conftest import drive_live, make_vocab6, save_noisy_draft
 from tests.oracles import chi2_pvalue, exact_sequence_probs, penalised_logits
 
 PENALTIES = dict(presence_penalty=0.6, frequency_penalty=0.7, repetition_penalty=1.5)
@@ -113,10 +113,7 @@ def test_live_rows_with_penalties_equal_offline(tiny_llama, pair, mode):
 @pytest.fixture(scope="module")
 def vocab6(tmp_path_factory):
     tp, dp = tmp_path_factory.mktemp("t6p"), tmp_path_factory.mktemp("d6p")
-    kw = dict(vocab_size=6, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-              num_key_value_heads=1, num_hidden_layers=1, tie_word_embeddings=False,
-              bos_token_id=0, eos_token_id=0)
-    t = make_hf_model(tp, "llama", seed=3, **kw)
+    t = make_vocab6(tp)
     save_noisy_draft(t, dp, scale=0.05, seed=5)
     return load(tp)[0], load(dp)[0], t
 

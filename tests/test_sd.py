@@ -6,7 +6,7 @@ import pytest
 from ssd_jax import LLM, EngineConfig, SamplingParams
 from ssd_jax.config import SpecConfig
 from ssd_jax.loading import load
-from tests.conftest import make_hf_model
+from tests.conftest import make_hf_model, make_vocab6
 from tests.oracles import chi2_pvalue, exact_sequence_probs
 
 ENGINE = EngineConfig(max_batch=4, max_seq_len=256, prefill_bucket=16)
@@ -64,18 +64,15 @@ def test_sd_stop_token_matches_ar(tiny_target, tiny_draft):
 
 # ---------------------------------------------------------------- distribution (tiny vocab)
 
-V, N_OUT = 6, 3
+N_OUT = 3
 
 
 @pytest.fixture(scope="module")
 def vocab6(tmp_path_factory):
     """Target and draft over a 6-token vocabulary, sharp enough that rejections happen."""
     tp, dp = tmp_path_factory.mktemp("t6"), tmp_path_factory.mktemp("d6")
-    kw = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-              num_key_value_heads=1, num_hidden_layers=1, tie_word_embeddings=False,
-              bos_token_id=0, eos_token_id=0)
-    t = make_hf_model(tp, "llama", seed=3, **kw)
-    make_hf_model(dp, "llama", seed=4, **kw)
+    t = make_vocab6(tp)
+    make_vocab6(dp, seed=4)
     return load(tp)[0], load(dp)[0], t
 
 

@@ -15,7 +15,7 @@ from ssd_jax.core.speculation import Outcome, Speculation, draft_decode
 from ssd_jax.draft_vocab import SameVocab
 from ssd_jax.loading import load
 from ssd_jax.models import causal_mask, commit
-from tests.conftest import make_hf_model, save_noisy_draft
+from tests.conftest import make_vocab6, save_noisy_draft
 from tests.oracles import chi2_pvalue, exact_sequence_probs
 
 N_OUT = 4  # K=1: every row needs two or more rounds, so cache hits decide later tokens
@@ -65,10 +65,7 @@ def vocab6(tmp_path_factory):
     """Target over 6 tokens and a draft = target + noise: acceptance is partial, and the cache
     both hits (bonus tokens, recoveries the draft foresaw) and misses."""
     tp, dp = tmp_path_factory.mktemp("t6s"), tmp_path_factory.mktemp("d6s")
-    kw = dict(vocab_size=6, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-              num_key_value_heads=1, num_hidden_layers=1, tie_word_embeddings=False,
-              bos_token_id=0, eos_token_id=0)
-    t = make_hf_model(tp, "llama", seed=3, **kw)
+    t = make_vocab6(tp)
     save_noisy_draft(t, dp, scale=0.05, seed=5)
     return load(tp)[0], load(dp)[0], t
 
