@@ -130,11 +130,11 @@ def _counts(target, draft, mode, spec, n_samples=3200):
     return counts
 
 
-@pytest.mark.parametrize("mode, spec", [("sd", SpecConfig(k=2)),
+@pytest.mark.parametrize("mode, spec", [("ar", SpecConfig(k=2)), ("sd", SpecConfig(k=2)),
                                         ("ssd", SpecConfig(k=2, c=0.5, budget=4))])
 def test_sampled_penalties_follow_the_penalised_target(vocab6, mode, spec):
-    """The draft proposes without penalties; the output follows the penalised target, whose
-    law is far from the plain one."""
+    """AR's step, and SD's and SSD's verification (the draft proposes without penalties):
+    the output follows the penalised target, whose law is far from the plain one."""
     target, draft, hf = vocab6
     counts = _counts(target, draft, mode, spec)
     probs = exact_sequence_probs(hf, [1, 2, 3], 1.0, 1.0, N_OUT, penalties=PEN)

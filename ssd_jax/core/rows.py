@@ -75,14 +75,21 @@ class RowState(NamedTuple):
     seen: Seen | None = None
 
 
+def _id_mask(ids: Int[Array, "B N"], real: Bool[Array, "B N"], vocab_size: int
+             ) -> Bool[Array, "B V"]:
+    """Per row, which token ids occur among its real entries. A scatter-max, so padding
+    entries (any id, real False) mark nothing."""
+    B = ids.shape[0]
+    return jnp.zeros((B, vocab_size), jnp.int32).at[jnp.arange(B)[:, None], jnp.maximum(
+        ids, 0)].max(real.astype(jnp.int32)) > 0
+
+
 def prompt_seen(tokens: Int[Array, "B T"], prompt_len: Int[Array, " B"], vocab_size: int
                 ) -> Seen:
     """The penalties' state before the first answer token: no counts, the prompts' tokens."""
-    B, T = tokens.shape
-    real = (jnp.arange(T) < prompt_len[:, None]).astype(jnp.int32)
-    in_prompt = jnp.zeros((B, vocab_size), jnp.int32).at[jnp.arange(B)[:, None], tokens].max(
-        real) > 0
-    return Seen(jnp.zeros((B, vocab_size), jnp.int32), in_prompt)
+    real = jnp.arange(tokens.shape[1]) < prompt_len[:, None]
+    return Seen(jnp.zeros((tokens.shape[0], vocab_size), jnp.int32),
+                _id_mask(tokens, real, vocab_size))
 
 
 def _count(seen: Seen, tokens: Int[Array, "B S"]) -> Seen:
@@ -126,9 +133,7 @@ def target_logits(logits: Float[Array, "B S V"], req: Requests, first: Int[Array
         # the counts, and most of its requests set no penalty).
         logits = jax.lax.cond(jnp.any(on), penalized, lambda x: x.astype(jnp.float32), logits)
     early = (first[:, None] + jnp.arange(S)) <= req.min_new[:, None]  # [B, S]
-    # A scatter-max, so the -1 padding (sent to id 0 with value 0) marks nothing.
-    is_stop_id = jnp.zeros((B, V), jnp.int32).at[jnp.arange(B)[:, None], jnp.maximum(
-        req.stop_ids, 0)].max((req.stop_ids >= 0).astype(jnp.int32)) > 0
+    is_stop_id = _id_mask(req.stop_ids, req.stop_ids >= 0, V)  # -1 pads
     return jnp.where(early[:, :, None] & is_stop_id[:, None, :], -jnp.inf, logits)
 
 
