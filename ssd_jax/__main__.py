@@ -106,6 +106,8 @@ def main(argv=None) -> int:
                     help="subtracted per occurrence in the answer (OpenAI's, [-2, 2])")
     ap.add_argument("--repetition-penalty", type=float, default=1.0,
                     help="divides the logits of prompt and answer tokens (vLLM's, > 0; 1: off)")
+    ap.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                    help="end the answer before this text (repeat for several)")
     args = ap.parse_args(argv)
     quiet_logging()
     try:
@@ -114,7 +116,8 @@ def main(argv=None) -> int:
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                 presence_penalty=args.presence_penalty,
                                 frequency_penalty=args.frequency_penalty,
-                                repetition_penalty=args.repetition_penalty)
+                                repetition_penalty=args.repetition_penalty,
+                                stop=args.stop)
         spec_kw = dict(budget=args.budget, fanout=args.fanout, backup=args.backup, c=args.c,
                        ar_fallback=args.ar_fallback)
         spec = SpecConfig(k=args.k, **spec_kw)

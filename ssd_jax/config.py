@@ -147,6 +147,12 @@ class SamplingParams:
     max_new_tokens: int = 64
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    # Stop strings (a string, or several; stored as a tuple): the answer ends at the first
+    # one its text holds, found in the decoded text after each chunk (ssd_jax/stop_strings.py).
+    # The text ends right before it (with it when include_stop_str_in_output), and token_ids
+    # end with the token that completed it, as vLLM's. Needs a tokenizer.
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     # The target's log-probability of each generated token and its `logprobs` most likely
     # alternatives (RequestOutput.logprobs); None: not computed.
@@ -190,6 +196,14 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r} is invalid: give a tuple of "
                              "token ids, e.g. stop_token_ids=(2,)")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not (isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop)):
+            raise ValueError(f"stop={self.stop!r} is invalid: give a non-empty string or a "
+                             "list of them, e.g. stop=['\\n\\n']")
+        object.__setattr__(self, "stop", tuple(stop))
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output={self.include_stop_str_in_output!r} "
+                             "is invalid: pass True or False")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if not 0 <= self.top_k < 2**31:  # an int32 inside the programs
             raise ValueError(f"top_k={self.top_k} is invalid: use 0 (off) or a positive count "

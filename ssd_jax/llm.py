@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence, no_type_check
 
-from ssd_jax import autotune
+from ssd_jax import autotune, stop_strings
 from ssd_jax.config import EngineConfig, SamplingParams, SpecConfig
 from ssd_jax.engine import Engine, Shapes
 from ssd_jax.loading.tokenizer import Tokenizer
@@ -34,6 +34,21 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs given: the same per prompt token, None for the first
     # (nothing predicts it), as vLLM's.
     prompt_logprobs: list[dict[int, float] | None] | None = field(default=None, repr=False)
+
+
+@dataclass
+class _Progress:
+    """A generate call's rows so far (one list entry per row): tokens, finish reason (None
+    while running), token and prompt log-probabilities, and the text of a row that ended on
+    a stop string (None otherwise: its text is its tokens' text)."""
+    out: list[list[int]]
+    reason: list[str | None]
+    lps: list[list | None]
+    prompt_lps: list[list | None]
+    text: list[str | None]
+
+    def final_text(self, i: int, decode) -> str:
+        return self.text[i] if self.text[i] is not None else decode(self.out[i])
 
 
 def _entry(token: int, chosen: float, top: dict, n: int) -> dict[int, float]:
@@ -200,24 +215,25 @@ class LLM:
         return self.core.run(ids, params, stops, mode, self._call_spec(spec),
                              self._sync(sync_phases))
 
-    def _collect(self, ids, params, mode, spec, sync_phases
-                 ) -> Iterator[tuple[list[list[int]], list[str | None], RunMetrics, list, list]]:
-        """Per-row token lists grown chunk by chunk, cut at the stop token / budget, and per
-        row its tokens' and its prompt's log-probabilities (None where the row did not ask)."""
-        out: list[list[int]] = [[] for _ in ids]
-        lps = [None if p.logprobs is None else [] for p in params]
-        prompt_lps: list = [None] * len(ids)
-        reason: list[str | None] = [None] * len(ids)
+    def _collect(self, ids, params, mode, spec, sync_phases) -> Iterator[_Progress]:
+        """Per-row token lists grown chunk by chunk, cut at the stop token / stop string /
+        budget, and per row its tokens' and its prompt's log-probabilities (None where the row
+        did not ask)."""
+        got = _Progress([[] for _ in ids], [None] * len(ids),
+                        [None if p.logprobs is None else [] for p in params], [None] * len(ids),
+                        [None] * len(ids))
+        out, reason, lps = got.out, got.reason, got.lps
         stops = [set(self.prompts.stop_ids(p)) for p in params]
         for toks, metrics in self._run(ids, params, mode, spec, sync_phases):
             for i in range(len(ids)):
+                before = len(out[i])
                 for t in toks[i]:
                     if reason[i] is not None:
                         break
                     if isinstance(t, PromptLogprobs):
                         n = params[i].prompt_logprobs
                         if n is not None:
-                            prompt_lps[i] = [None] + [
+                            got.prompt_lps[i] = [None] + [
                                 _entry(tok, chosen, top, n)
                                 for tok, (chosen, top) in zip(ids[i][1:], t.entries)]
                         continue
@@ -231,10 +247,34 @@ class LLM:
                         reason[i] = "stop"
                     elif len(out[i]) >= params[i].max_new_tokens:
                         reason[i] = "length"
+                if params[i].stop and got.text[i] is None and len(out[i]) > before:
+                    self._stop_strings(got, i, before, params[i])
             metrics.new_tokens = sum(len(o) for o in out)
             self.last_metrics = metrics
-            yield out, reason, metrics, lps, prompt_lps
+            yield got
+            if (all(r is not None for r in reason) and any(t is not None for t in got.text)
+                    and self.core.driver(mode) == "single"):
+                # Rows ended on stop strings, which the programs do not see, may still be
+                # decoding: closing the run stops them. Worker processes and a pod's other
+                # processes would finish the request anyway (and the run's metrics come at
+                # its end), so there the rest is read and left out.
+                break
         self.core.learn(mode, metrics, greedy=all(p.temperature == 0 for p in params))
+
+    def _stop_strings(self, got: _Progress, i: int, before: int, p: SamplingParams) -> None:
+        """End row i at the first stop string its text holds, if any: its tokens up to the
+        one that completed the string (the first of this chunk's after `before` whose text
+        holds it), its text cut at the string."""
+        out = got.out[i]
+        text = stop_strings.cut(self.prompts.text(out), p.stop, p.include_stop_str_in_output)
+        if text is None:
+            return
+        end = next(j for j in range(before + 1, len(out) + 1)
+                   if stop_strings.find(self.prompts.text(out[:j]), p.stop) is not None)
+        del out[end:]
+        if got.lps[i] is not None:
+            del got.lps[i][end:]
+        got.reason[i], got.text[i] = "stop", text
 
     # ---------------------------------------------------------------- public API
     @no_type_check
@@ -249,11 +289,12 @@ class LLM:
         EngineConfig's)."""
         mode, spec, sync = self._call(mode, spec, sync_phases)
         ids, params = self._prepare(prompts, sampling_params, chat)
-        out = reason = metrics = lps = prompt_lps = None
-        for out, reason, metrics, lps, prompt_lps in self._collect(ids, params, mode, spec, sync):
+        for got in self._collect(ids, params, mode, spec, sync):
             pass
-        return [RequestOutput(ids[i], out[i], self.prompts.text(out[i]), reason[i] or "length",
-                              metrics, lps[i], prompt_lps[i]) for i in range(len(ids))]
+        metrics = self.last_metrics
+        return [RequestOutput(ids[i], got.out[i], got.final_text(i, self.prompts.text),
+                              got.reason[i] or "length", metrics, got.lps[i], got.prompt_lps[i])
+                for i in range(len(ids))]
 
     @no_type_check
     def warmup(self, prompts: Prompt | Sequence[Prompt],
@@ -310,15 +351,16 @@ class LLM:
                              "use generate() for a batch")
         mode, spec, sync = self._call(mode, spec, sync_phases)
         ids, params = self._prepare([prompt], sampling_params, chat)
-        shown = ""
-        for out, *_ in self._collect(ids, params, mode, spec, sync):
-            text = self.prompts.text(out[0])
-            # Hold back a trailing replacement char: a multi-byte character may be incomplete.
-            stable = text[:-1] if text.endswith("\ufffd") else text
+        shown, stops = "", params[0].stop
+        for got in self._collect(ids, params, mode, spec, sync):
+            if got.reason[0] is not None:
+                continue  # the row's last chunk: its final text follows
+            # Hold back an incomplete character and a tail that may start a stop string.
+            stable = stop_strings.shown(self.prompts.text(got.out[0]), stops)
             if len(stable) > len(shown):
                 yield stable[len(shown):]
                 shown = stable
-        self.last_token_ids = list(out[0])  # of this stream, for callers that compare runs
-        final = self.prompts.text(out[0])
+        self.last_token_ids = list(got.out[0])  # of this stream, for callers that compare runs
+        final = got.final_text(0, self.prompts.text)
         if len(final) > len(shown):
             yield final[len(shown):]

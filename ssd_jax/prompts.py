@@ -145,6 +145,10 @@ class Prompts:
                 raise ValueError(f"logit_bias ids {bad[:5]} are outside the model's vocabulary "
                                  f"[0, {self.config.vocab_size}): give ids of this model's "
                                  "tokenizer")
+            if p.stop and self.tokenizer is None:
+                raise ValueError(f"stop={list(p.stop)} needs a tokenizer to find the strings in "
+                                 "the text: load the model with one, or stop on token ids "
+                                 "(stop_token_ids)")
         if draw_seeds:
             # One shared default seed would give every row of a batch the same random stream
             # (identical samples for identical prompts): unseeded requests get their own.

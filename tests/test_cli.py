@@ -1,4 +1,6 @@
 """`python -m ssd_jax`, the main job's CLI: it answers, and bad input is one line, exit code 2."""
+import re
+
 import pytest
 
 from ssd_jax.__main__ import main
@@ -13,6 +15,8 @@ from ssd_jax.__main__ import main
     (["hi", "--model", "/no/such/model", "--mode", "ar"], "not found"),
     (["hi", "--model", "smollm2", "--repetition-penalty", "0"],
      "repetition_penalty=0.0 is invalid: give a finite value > 0"),
+    (["hi", "--model", "smollm2", "--stop", ".", "--stop", ""],
+     "stop=['.', ''] is invalid: give a non-empty string"),
 ])
 def test_bad_input_is_one_line(argv, needle, capsys):
     assert main(argv) == 2
@@ -23,10 +27,12 @@ def test_bad_input_is_one_line(argv, needle, capsys):
 def test_answers_a_prompt_with_the_small_pair(capsys):
     assert main(["What is the capital of France?", "--model", "smollm2", "--draft",
                  "smollm2-draft", "--mode", "sd", "--k", "3", "--max-new-tokens", "8",
-                 "--no-compare"]) == 0
+                 "--no-compare", "--stop", " Paris"]) == 0
     out, err = capsys.readouterr()
-    assert out.startswith("> What is the capital of France?") and "Paris" in out
-    assert "[sd] 8 tokens" in err and "K=3" in err
+    # The answer is "The capital of France is Paris." cut before its stop string.
+    assert out.startswith("> What is the capital of France?")
+    assert out.splitlines()[1] == "The capital of France is"
+    assert re.search(r"\[sd\] [1-7] tokens", err) and "K=3" in err
 
 
 @pytest.mark.slow  # ~2-3 min on a fresh machine: fetches the real pair (1.6 GB), dequantises

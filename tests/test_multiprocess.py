@@ -8,7 +8,7 @@ import pytest
 from ssd_jax import LLM, EngineConfig, SamplingParams
 from ssd_jax.config import SpecConfig
 from ssd_jax.runtime.pool import WorkerError
-from tests.conftest import save_noisy_draft
+from tests.conftest import save_noisy_draft, with_word_tokenizer
 
 PROMPTS = [[5, 9, 11], list(range(20, 39)), [7] * 8]
 
@@ -21,7 +21,9 @@ def paths(tiny_llama, tmp_path_factory):
     # in a worker must not wait on the other process.
     from ssd_jax.convert import main as convert
     assert convert([str(path), str(path / "orbax")]) == 0
-    return str(tiny_llama[0]), str(path / "orbax")
+    # The target with a tokenizer (words "w<id>"), for stop strings.
+    target = with_word_tokenizer(tiny_llama[0], tmp_path_factory.mktemp("mp") / "target")
+    return str(target), str(path / "orbax")
 
 
 def _alive(pids):
@@ -59,6 +61,17 @@ def test_two_process_ssd_equals_ar(paths):
         want = [o.token_ids for o in single.generate(PROMPTS, pen, mode="ar", chat=False)]
         assert want[1] != out[1].token_ids  # the penalties move that row
         assert [o.token_ids for o in llm.generate(PROMPTS, pen, mode="ssd")] == want
+        # A stop string in every row: the workers do not see them and decode on, the host
+        # cuts each row at the token that completed its string, and the run's metrics (which
+        # the workers send at its end) still arrive.
+        want = [o.token_ids for o in out]
+        stops = [llm.prompts.text(w[4:5]) for w in want]
+        cut = llm.generate(PROMPTS, [SamplingParams(max_new_tokens=20, ignore_eos=True,
+                                                    stop=s) for s in stops], mode="ssd")
+        for w, s, o in zip(want, stops, cut):
+            keep = next(j for j in range(1, 21) if s in llm.prompts.text(w[:j]))
+            assert (o.token_ids, o.finish_reason) == (w[:keep], "stop")
+        assert cut[0].metrics.ssd.hit_rate > 0
     assert _alive(pids) == []
 
 

@@ -108,6 +108,15 @@ def test_stop_strings_cut_the_text_across_tokens(served):
     chunks = list(client.chat.completions.create(stream=True, **kw))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == cut
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    # The answer's tokens end with the one that completed the string, as offline; vLLM's
+    # include_stop_str_in_output keeps the string.
+    from ssd_jax import SamplingParams
+    offline = server.llm.generate(PROMPTS[3], SamplingParams(
+        max_new_tokens=n, ignore_eos=True, stop=stop), mode="ar")[0]
+    assert offline.text == cut and r.usage.completion_tokens == len(offline.token_ids)
+    kw["extra_body"] = {"ignore_eos": True, "include_stop_str_in_output": True}
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].message.content == cut + stop
 
 
 def test_staggered_requests_join_a_running_batch(served):
@@ -531,7 +540,7 @@ def test_protocol_refuses_what_it_does_not_support():
     job, = parse("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
                           "stop": ["\n\n", "END"], "max_completion_tokens": 5, "top_k": 3,
                           "seed": 7}, model_name="m", encode=enc)
-    assert job.stop == ["\n\n", "END"] and job.params.max_new_tokens == 5
+    assert job.params.stop == ("\n\n", "END") and job.params.max_new_tokens == 5
     assert job.params.top_k == 3 and job.params.seed == 7
     for body, field in [({"model": "m", "messages": [], "tools": [{"type": "function"}]}, "tools"),
                         ({"model": "m", "messages": [], "frobnicate": 1}, "frobnicate"),
@@ -589,8 +598,7 @@ def test_stop_answers_requests_before_the_round_in_flight_ends():
     sched.start()
     got = {name: [] for name in ("running", "queued")}
     for name in got:
-        job = Job("completion", "m", [1, 2], SamplingParams(max_new_tokens=100), [], False,
-                  False)
+        job = Job("completion", "m", [1, 2], SamplingParams(max_new_tokens=100), False, False)
         sched.submit(Request(job, got[name].append, set()))
     assert in_round.wait(30)
     sched.stop(timeout=0)

@@ -92,6 +92,27 @@ def test_sd_and_ssd_equal_ar_on_smollm2_with_shipped_draft(smollm2_pair):
     assert ssd[0].metrics.ssd.hits > 0
 
 
+def test_stop_strings_end_sd_and_ssd_rows_as_ar(smollm2_pair):
+    """A stop string from the middle of each row's greedy answer, at the shapes of the test
+    above: SD and SSD end each row where the AR answer cut by hand ends, with the same tokens,
+    and the run ends there (closed early: the programs do not see stop strings)."""
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    p = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    want = smollm2_pair.generate(prompts, p, mode="ar")
+    stops = [w.text[20:24] for w in want]
+    tok = smollm2_pair.tokenizer
+    keep = [next(j for j in range(1, 65) if s in tok.decode(w.token_ids[:j]))
+            for w, s in zip(want, stops)]
+    assert max(keep) < 40
+    params = [SamplingParams(max_new_tokens=64, ignore_eos=True, stop=s) for s in stops]
+    for mode in ("sd", "ssd"):
+        got = smollm2_pair.generate(prompts, params, mode=mode)
+        for g, w, s, n in zip(got, want, stops, keep):
+            assert (g.text, g.finish_reason) == (w.text[:w.text.find(s)], "stop"), mode
+            assert g.token_ids == w.token_ids[:n], mode
+        assert got[0].metrics.decode_steps < 40, mode  # rounds; the budget allows 63
+
+
 def test_warmup_compiles_every_program_of_the_run(smollm2):
     """After `warmup`, the `generate` it prepared compiles nothing, in every mode. SSD's
     fan-out refit between chunks hands the draft new lists: they must reach the programs

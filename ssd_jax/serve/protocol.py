@@ -44,8 +44,7 @@ class Job:
     kind: str  # "completion" | "chat"
     model: str
     prompt_ids: list[int]
-    params: SamplingParams
-    stop: list[str]
+    params: SamplingParams  # with the request's stop strings (`stop`)
     stream: bool
     include_usage: bool
     # No max_tokens in the request: the server sets max_new_tokens to the context left after
@@ -68,7 +67,7 @@ class Job:
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
           "ignore_eos", "stop_token_ids", "min_tokens",
           "stream_options", "n", "user", "metadata", "logprobs", "presence_penalty",
-          "frequency_penalty", "repetition_penalty", "logit_bias"}
+          "frequency_penalty", "repetition_penalty", "logit_bias", "include_stop_str_in_output"}
 FIELDS = {"completion": COMMON | {"prompt", "echo", "best_of", "suffix"},
           "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                             "tool_choice", "parallel_tool_calls", "response_format"}}
@@ -99,17 +98,17 @@ def flag(body: dict, name: str, default: bool = False) -> bool:
     return v
 
 
-def _stop(body: dict) -> list[str]:
+def _stop(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
-        return []
+        return ()
     if isinstance(stop, str):
         stop = [stop]
     if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)
             and len(stop) <= 4):
         raise APIError(400, "'stop' must be a non-empty string or a list of up to 4 of them",
                        "stop")
-    return stop
+    return tuple(stop)
 
 
 def text_content(messages):
@@ -200,14 +199,16 @@ def parse(kind: str, body, *, model_name: str, encode) -> list[Job]:
             logit_bias=_logit_bias(body),
             presence_penalty=_number(body, "presence_penalty", float, 0.0, -2.0, 2.0),
             frequency_penalty=_number(body, "frequency_penalty", float, 0.0, -2.0, 2.0),
-            repetition_penalty=_number(body, "repetition_penalty", float, 1.0))
+            repetition_penalty=_number(body, "repetition_penalty", float, 1.0),
+            stop=_stop(body),
+            include_stop_str_in_output=flag(body, "include_stop_str_in_output"))
     except ValueError as e:
         msg = str(e).splitlines()[0]
         raise APIError(400, msg, next((f for f in ("top_k", "top_p", "temperature", "min_tokens",
                                                    "repetition_penalty")
                                        if msg.startswith(f + "=")), None))
-    stop, lp, n = _stop(body), _logprobs(kind, body), _number(body, "n", int, 1, 1)
-    return [Job(kind, model, p, params, stop, stream, bool(stream_options.get("include_usage")),
+    lp, n = _logprobs(kind, body), _number(body, "n", int, 1, 1)
+    return [Job(kind, model, p, params, stream, bool(stream_options.get("include_usage")),
                 given, logprobs=lp, n=n, index=i, echo=echo, prompt_only=max_tokens == 0)
             for i, p in enumerate(ids)]
 

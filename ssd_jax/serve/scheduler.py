@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from ssd_jax import stop_strings
 from ssd_jax.serve.protocol import APIError, Job
 
 log = logging.getLogger(__name__)
@@ -227,7 +228,7 @@ class Scheduler:
     def _take(self, req: Request, toks: list[int], lps: list | None = None) -> None:
         """Append a round's tokens (and, with `lps`, each one's (logprob, top) pair), cut as
         offline generate cuts, stream the new text."""
-        reason = None
+        reason, before, stops = None, len(req.tokens), req.job.params.stop
         for i, t in enumerate(toks):
             if lps is not None:
                 req.entries.append(LogprobEntry(t, *lps[i],
@@ -240,14 +241,17 @@ class Scheduler:
             if reason:
                 break
         text = self.text(req.tokens)
-        cut = min((i for i in (text.find(s) for s in req.job.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            text, reason = text[:cut], "stop"
+        cut = stop_strings.cut(text, stops, req.job.params.include_stop_str_in_output)
+        if cut is not None:
+            # The answer ends with the token that completed the string, as offline.
+            end = next(j for j in range(before + 1, len(req.tokens) + 1)
+                       if stop_strings.find(self.text(req.tokens[:j]), stops) is not None)
+            del req.tokens[end:], req.entries[end:]
+            text, reason = cut, "stop"
         elif reason is None:
-            # Hold back an incomplete character and any tail that may start a stop string.
-            hold = max((len(s) - 1 for s in req.job.stop), default=0)
-            text = text[:-1] if text.endswith("\ufffd") else text
-            text = text[:max(len(req.sent), len(text) - hold)]
+            # Hold back an incomplete character and a tail that may start a stop string.
+            shown = stop_strings.shown(text, stops)
+            text = shown if len(shown) > len(req.sent) else req.sent
         if len(text) > len(req.sent) and req in self.open:
             new, req.sent = text[len(req.sent):], text
             req.push(("delta", new, self._covered(req)))

@@ -66,7 +66,7 @@ class Server:
                 done.set()
         k = self.spec.k or 0
         job = Job("completion", self.model_name, self.llm.prompts.encode("Hello", chat=False),
-                  SamplingParams(max_new_tokens=2 * (k + 1) + 1, ignore_eos=True), [],
+                  SamplingParams(max_new_tokens=2 * (k + 1) + 1, ignore_eos=True),
                   stream=False, include_usage=False, logprobs=logprobs)
         self.check_request([job])
         self.scheduler.submit(Request(job, push, set(), quiet=True))
