@@ -174,9 +174,15 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # Answers per prompt (vLLM's and OpenAI's n): generate returns n outputs for the prompt,
+    # consecutive; answer i samples with `choice_seed(seed, i)` (answer 0 keeps the seed, so
+    # n=1 and the first of n=2 are the same text). Greedy answers are equal, as vLLM's.
+    n: int = 1
 
     def __post_init__(self):
-        _require_ints(self, "top_k", "max_new_tokens", "min_tokens")
+        _require_ints(self, "top_k", "max_new_tokens", "min_tokens", "n")
+        if self.n < 1:
+            raise ValueError(f"n={self.n} is invalid: ask for 1 or more answers per prompt")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} is invalid: it must lie in [0, "
                              f"max_new_tokens={self.max_new_tokens}]")
@@ -229,6 +235,12 @@ class SamplingParams:
         """Whether any penalty is on (the programs then carry per-row token counts)."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
+
+
+def choice_seed(seed: int, i: int) -> int:
+    """The seed of answer i of a request seeded `seed` that asks for several (n): answer 0
+    keeps it; the others step by the golden ratio's 32-bit constant, far apart."""
+    return (seed + i * 0x9E3779B9) % 2**32
 
 
 @no_type_check  # validates itself, as SamplingParams

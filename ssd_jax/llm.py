@@ -282,7 +282,8 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
                  *, chat: bool = True, mode: str | None = None, spec: SpecConfig | None = None,
                  sync_phases: bool | None = None) -> list[RequestOutput]:
-        """Generate for a batch of prompts. Strings go through the chat template unless
+        """Generate for a batch of prompts: one output per prompt, or n consecutive ones
+        where its SamplingParams ask for n. Strings go through the chat template unless
         chat=False; token-id lists are used as they are. mode: "ar", "sd" or "ssd" (default:
         "sd" when a draft is loaded, else "ar"). spec: this call's speculation settings (None:
         the LLM's); sync_phases: block between draft and verify to time each phase (None:
@@ -349,6 +350,9 @@ class LLM:
         if prompt_kind(prompt) is None:
             raise ValueError("stream() takes one prompt (text, token ids or chat messages); "
                              "use generate() for a batch")
+        if isinstance(sampling_params, SamplingParams) and sampling_params.n != 1:
+            raise ValueError(f"stream() gives one answer, not n={sampling_params.n}: use "
+                             "generate() for several")
         mode, spec, sync = self._call(mode, spec, sync_phases)
         ids, params = self._prepare([prompt], sampling_params, chat)
         shown, stops = "", params[0].stop

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ssd_jax.config import EngineConfig, ModelConfig, SamplingParams
+from ssd_jax.config import EngineConfig, ModelConfig, SamplingParams, choice_seed
 from ssd_jax.loading.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int] | np.ndarray | list[dict]  # text, token ids, or chat messages
@@ -55,8 +55,8 @@ def check_fits(ids: list[list[int]], params: list[SamplingParams], mode: str,
     """The positions the batch needs (longest prompt + max_new_tokens); raises when the batch
     is larger than max_batch or does not fit the context (with K+1 slots of slack in SD/SSD)."""
     if len(ids) > engine.max_batch:
-        raise ValueError(f"batch of {len(ids)} prompts exceeds max_batch="
-                         f"{engine.max_batch}: split the batch or raise "
+        raise ValueError(f"batch of {len(ids)} rows (prompts, n answers each) exceeds "
+                         f"max_batch={engine.max_batch}: split the batch or raise "
                          "EngineConfig(max_batch=...)")
     need = max(len(t) + p.max_new_tokens for t, p in zip(ids, params))
     limit, slack = context_room(engine, max_positions, mode, k)
@@ -120,7 +120,7 @@ class Prompts:
     def prepare(self, prompts, sampling_params, chat: bool, *, draw_seeds: bool = True
                 ) -> tuple[list[list[int]], list[SamplingParams]]:
         """One prompt or a batch, with one SamplingParams or one per prompt -> (token ids per
-        row, params per row). draw_seeds=False leaves unseeded requests as they are (for a
+        row, params per row); a prompt whose params ask for n answers is n rows. draw_seeds=False leaves unseeded requests as they are (for a
         look at shapes that must not shift the seeds later requests get)."""
         if prompt_kind(prompts) is not None:  # one prompt, not a batch
             prompts = [prompts]
@@ -154,7 +154,12 @@ class Prompts:
             # (identical samples for identical prompts): unseeded requests get their own.
             params = [p if p.seed is not None
                       else replace(p, seed=int(self._seeds.integers(2**32))) for p in params]
-        return [self.encode(p, chat) for p in prompts], params
+        ids = [self.encode(p, chat) for p in prompts]
+        # n answers per prompt: n rows, consecutive, each with its own seed.
+        rows = [(t, p if p.n == 1 else replace(
+                    p, n=1, seed=None if p.seed is None else choice_seed(p.seed, i)))
+                for t, p in zip(ids, params) for i in range(p.n)]
+        return [t for t, _ in rows], [p for _, p in rows]
 
     def text(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)

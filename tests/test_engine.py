@@ -1,4 +1,6 @@
 """The AR engine: batching, stop handling, seeds, streaming, and bad input."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -99,11 +101,36 @@ def test_stream_concatenates_to_generate(smollm2):
     assert len(text) > 0
 
 
+def test_n_answers_per_prompt(tiny):
+    """SamplingParams(n): n outputs per prompt, consecutive, in prompt order. Sampled, answer
+    i is the one a request seeded choice_seed(seed, i) gets alone (answer 0: the seed's own);
+    greedy answers are equal."""
+    from ssd_jax.config import choice_seed
+    llm, _ = tiny
+    a, b = [5, 9, 11], [1, 2]
+    p = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=1.0, seed=7)
+    got = llm.generate([a, b], [replace(p, n=3), p])
+    alone = [llm.generate([a], replace(p, seed=choice_seed(7, i)))[0] for i in range(3)]
+    assert choice_seed(7, 0) == 7
+    assert [o.token_ids for o in got[:3]] == [o.token_ids for o in alone]
+    assert len({tuple(o.token_ids) for o in alone}) == 3  # the answers differ
+    assert got[3].token_ids == llm.generate([b], p)[0].token_ids
+    assert [o.prompt_token_ids for o in got] == [a, a, a, b]
+    greedy = llm.generate(a, SamplingParams(max_new_tokens=8, ignore_eos=True, n=2))
+    assert greedy[0].token_ids == greedy[1].token_ids
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match=f"^n={bad!r}"):
+            SamplingParams(n=bad)
+    with pytest.raises(ValueError, match="gives one answer, not n=2"):
+        next(llm.stream(a, SamplingParams(n=2)))
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(prompts=[""]), "prompt is empty"),
     (dict(prompts=[[]]), "prompt is empty"),
     (dict(prompts=[[1] * 250], params=SamplingParams(max_new_tokens=10)), "more than the context"),
     (dict(prompts=[[1]] * 5), "exceeds max_batch=4"),
+    (dict(prompts=[[1], [2]], params=SamplingParams(n=3)), "batch of 6 rows .* exceeds"),
     (dict(prompts=[[1, 999]]), "outside the model's vocabulary"),
     (dict(prompts=[[1, 2]], params=SamplingParams(logit_bias={999: 1.0})),
      r"logit_bias ids \[999\] are outside the model's vocabulary"),

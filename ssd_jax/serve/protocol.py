@@ -21,7 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 
-from ssd_jax.config import MAX_LOGPROBS, SamplingParams
+from ssd_jax.config import MAX_LOGPROBS, SamplingParams, choice_seed
 from ssd_jax.core.live import BIAS_WIDTH  # logit_bias entries a request may give
 
 
@@ -220,7 +220,7 @@ def choices_of(job: Job) -> list[Job]:
     are equal, as OpenAI's and vLLM's are."""
     seed = job.params.seed
     return [replace(job, index=job.index * job.n + i,
-                    params=replace(job.params, seed=(seed + i * 0x9E3779B9) % 2**32))
+                    params=replace(job.params, seed=choice_seed(seed, i)))
             for i in range(job.n)]
 
 
