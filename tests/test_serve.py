@@ -3,6 +3,7 @@ started in this process on the loopback address, SmolLM2 with its distilled draf
 Greedy text equals offline generate; staggered requests join a running batch; a disconnected
 stream frees its row; bad requests are 400s, a full queue a 429."""
 import json
+import os
 import socket
 import threading
 import time
@@ -653,14 +654,17 @@ def test_server_process_start_up_and_shutdown(tmp_path):
     base = [sys.executable, "-m", "ssd_jax.serve", "--model", MODEL, "--mode", "ar",
             "--slots", "1"]
     for extra, needle in ((["--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
-                          (["--port", "70000"], "--port 70000 is invalid")):
+                          (["--port", "70000"], "--port 70000 is invalid"),
+                          (["--api-key", " "], "--api-key is empty")):
         t0 = time.time()
         r = subprocess.run(base + extra, capture_output=True, text=True, timeout=120)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and needle in lines[-1] and "Traceback" not in r.stderr, r.stderr
         assert time.time() - t0 < 60  # before the model loads and compiles
     taken.close()
-    proc = subprocess.Popen(base + ["--port", str(port)], stderr=subprocess.PIPE, text=True)
+    # The API key from the environment, as a deployment passes it.
+    proc = subprocess.Popen(base + ["--port", str(port)], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "SSD_JAX_API_KEY": "sk-test"})
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.time() + 300
@@ -671,9 +675,19 @@ def test_server_process_start_up_and_shutdown(tmp_path):
                     break
             except httpx.HTTPError:
                 time.sleep(0.5)
+        # /v1 needs the key; /health (above) and /metrics do not.
+        import openai
+        r = httpx.get(url + "/v1/models")
+        assert r.status_code == 401 and "sent no API key" in r.json()["error"]["message"]
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
+        keyed = openai.OpenAI(base_url=url + "/v1", api_key="sk-test", max_retries=0)
+        assert [m.id for m in keyed.models.list().data] == [MODEL]
+        assert httpx.get(url + "/metrics").status_code == 200
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000,
                 "ignore_eos": True, "temperature": 0, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": "Bearer sk-test"}) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
             proc.send_signal(signal.SIGTERM)

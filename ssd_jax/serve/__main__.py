@@ -10,6 +10,9 @@ import os
 import sys
 
 
+API_KEY_ENV = "SSD_JAX_API_KEY"
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ssd-serve", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -32,6 +35,9 @@ def parser() -> argparse.ArgumentParser:
       help="cut the draft's LM head to its N most frequent tokens (cheaper draft steps)")
     a("--mesh", default=None, metavar="NT,ND",
       help="target devices, draft devices (a pod: meshes across the job's processes)")
+    a("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+      help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV}, else none; "
+           "the variable keeps the key out of the process list)")
     return ap
 
 
@@ -58,6 +64,10 @@ def _main(argv) -> int:
     if args.max_logprobs < -1:
         print(f"ssd-serve: error: --max-logprobs {args.max_logprobs} is invalid: give -1 (no "
               "logprobs) or a count >= 0", file=sys.stderr)
+        return 2
+    if args.api_key is not None and not args.api_key.strip():
+        print("ssd-serve: error: --api-key is empty: give a key, or leave the option out for "
+              "an open server", file=sys.stderr)
         return 2
     if not 0 <= args.port <= 65535:
         print(f"ssd-serve: error: --port {args.port} is invalid: give 1-65535 (0: any free "
@@ -105,7 +115,7 @@ def _main(argv) -> int:
     # Requests still running when the server is told to stop get an error at once, so their
     # connections close and the process exits in seconds; the graceful timeout bounds the
     # rest (a client that never reads).
-    config = uvicorn.Config(build_app(server), log_level="warning",
+    config = uvicorn.Config(build_app(server, api_key=args.api_key), log_level="warning",
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     server_stops = server.scheduler.stop
 

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -38,8 +40,31 @@ def _prompt_tokens(reqs: list) -> int:
     return sum(len(r.job.prompt_ids) for r in reqs if r.job.index % r.job.n == 0)
 
 
-def build_app(server) -> Starlette:
-    """`server`: a serve.server.Server (model name, encode, stop ids, scheduler, metrics)."""
+class RequireKey:
+    """`--api-key`: the /v1 routes answer 401 to a request without `Authorization: Bearer
+    <key>`, as vLLM's and llama.cpp's servers do (the openai client's `api_key` sends it);
+    /health, /metrics and the tokenizer routes stay open, for probes and lm-eval's remote
+    tokenizer. Compared in constant time."""
+
+    def __init__(self, app, key: str):
+        self.app, self.want = app, b"Bearer " + key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.want):
+                what = "a wrong API key" if got else "no API key"
+                e = APIError(401, f"this server needs its API key and the request sent {what}: "
+                                  "send 'Authorization: Bearer <key>' (the openai client's "
+                                  "api_key=)", kind="authentication_error",
+                             code="invalid_api_key")
+                return await _error(e)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def build_app(server, api_key: str | None = None) -> Starlette:
+    """`server`: a serve.server.Server (model name, encode, stop ids, scheduler, metrics).
+    `api_key`: the key the /v1 routes require (RequireKey); None: open."""
 
     async def body_of(http: HTTPRequest):
         try:
@@ -216,4 +241,5 @@ def build_app(server) -> Starlette:
         Route("/tokenize", tokenizer_route(server.tokenize), methods=["POST"]),
         Route("/detokenize", tokenizer_route(server.detokenize), methods=["POST"]),
         Route("/tokenizer_info", tokenizer_route(server.tokenizer_info), methods=["GET"]),
-    ], exception_handlers={404: not_found, 405: wrong_method}, lifespan=lifespan)
+    ], exception_handlers={404: not_found, 405: wrong_method}, lifespan=lifespan,
+        middleware=[] if api_key is None else [Middleware(RequireKey, key=api_key)])
