@@ -6,6 +6,7 @@ prompts are `ssd_jax.prompts`' job, models and decoding `ssd_jax.engine.Engine`'
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from ssd_jax.loading.tokenizer import Tokenizer
 from ssd_jax.core.metrics import RunMetrics
 from ssd_jax.core.rounds import PromptLogprobs
 from ssd_jax.models.transformer import Transformer
-from ssd_jax.prompts import Prompt, Prompts, prompt_kind, short
+from ssd_jax.prompts import Prompt, Prompts, check_fits, prompt_kind, short
 
 
 @dataclass
@@ -282,20 +283,40 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
                  *, chat: bool = True, mode: str | None = None, spec: SpecConfig | None = None,
                  sync_phases: bool | None = None) -> list[RequestOutput]:
-        """Generate for a batch of prompts: one output per prompt, or n consecutive ones
-        where its SamplingParams ask for n. Strings go through the chat template unless
-        chat=False; token-id lists are used as they are. mode: "ar", "sd" or "ssd" (default:
-        "sd" when a draft is loaded, else "ar"). spec: this call's speculation settings (None:
-        the LLM's); sync_phases: block between draft and verify to time each phase (None:
-        EngineConfig's)."""
+        """Generate for prompts: one output per prompt, or n consecutive ones where its
+        SamplingParams ask for n. More rows than EngineConfig.max_batch run as consecutive
+        batches of max_batch rows, in order, with a progress bar (the LLM's `progress`).
+        Strings go through the chat template unless chat=False; token-id lists are used as
+        they are. mode: "ar", "sd" or "ssd" (default: "sd" when a draft is loaded, else
+        "ar"). spec: this call's speculation settings (None: the LLM's); sync_phases: block
+        between draft and verify to time each phase (None: EngineConfig's)."""
         mode, spec, sync = self._call(mode, spec, sync_phases)
         ids, params = self._prepare(prompts, sampling_params, chat)
-        for got in self._collect(ids, params, mode, spec, sync):
-            pass
-        metrics = self.last_metrics
-        return [RequestOutput(ids[i], got.out[i], got.final_text(i, self.prompts.text),
-                              got.reason[i] or "length", metrics, got.lps[i], got.prompt_lps[i])
-                for i in range(len(ids))]
+        size = self.engine.max_batch
+        batches = [slice(lo, lo + size) for lo in range(0, len(ids), size)]
+        for b in batches:  # every batch fits before any runs: no answers lost to a late error
+            check_fits(ids[b], params[b], mode, self.engine,
+                       self.core.model_config.max_position_embeddings, spec.k or 0)
+        bar = None
+        if len(batches) > 1 and self.core.progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), desc=f"generate ({mode})", unit="answer",
+                       file=sys.stderr)
+        outs = []
+        try:
+            for b in batches:
+                for got in self._collect(ids[b], params[b], mode, spec, sync):
+                    pass
+                metrics = self.last_metrics
+                outs += [RequestOutput(t, got.out[i], got.final_text(i, self.prompts.text),
+                                       got.reason[i] or "length", metrics, got.lps[i],
+                                       got.prompt_lps[i]) for i, t in enumerate(ids[b])]
+                if bar is not None:
+                    bar.update(len(ids[b]))
+        finally:
+            if bar is not None:
+                bar.close()
+        return outs
 
     @no_type_check
     def warmup(self, prompts: Prompt | Sequence[Prompt],
@@ -303,11 +324,13 @@ class LLM:
                *, chat: bool = True, mode: str | None = None, spec: SpecConfig | None = None,
                sync_phases: bool | None = None) -> float:
         """Compile the programs a `generate` of these prompts will use (prefill and the decode
-        step at the same shape buckets) by running its first chunk. Returns seconds spent."""
+        step at the same shape buckets) by running its first chunk (of its first batch, where
+        there are more rows than max_batch). Returns seconds spent."""
         t0 = time.perf_counter()
         mode, spec, sync = self._call(mode, spec, sync_phases)
         ids, params = self._prepare(prompts, sampling_params, chat)
-        for i, _ in enumerate(self._run(ids, params, mode, spec, sync)):
+        size = self.engine.max_batch
+        for i, _ in enumerate(self._run(ids[:size], params[:size], mode, spec, sync)):
             if i == 1:
                 break
         return time.perf_counter() - t0
@@ -319,10 +342,12 @@ class LLM:
                ) -> Shapes:
         """(padded batch, prompt bucket, cache length): the shapes a `generate` of these
         prompts compiles for. Two calls with equal shapes (and equal settings) share programs.
-        With automatic settings (spec k=None) K is chosen as the run would choose it."""
+        With automatic settings (spec k=None) K is chosen as the run would choose it. More
+        rows than max_batch: the first batch's shapes."""
         mode, spec, _ = self._call(mode, spec, None)
         ids, params = self.prompts.prepare(prompts, sampling_params, chat, draw_seeds=False)
-        return self.core.shapes(ids, params, mode, spec)
+        size = self.engine.max_batch
+        return self.core.shapes(ids[:size], params[:size], mode, spec)
 
     @no_type_check
     def settings(self, mode: str | None = None, *, rows: int = 1,

@@ -125,12 +125,28 @@ def test_n_answers_per_prompt(tiny):
         next(llm.stream(a, SamplingParams(n=2)))
 
 
+def test_more_rows_than_max_batch_run_in_batches(tiny, capsys):
+    """Six rows (two prompts, n=3) with max_batch=4: two batches, in order; each answer is
+    the one its row gives alone; a progress bar counts them."""
+    from ssd_jax.config import choice_seed
+    llm, _ = tiny
+    a, b = [5, 9, 11], [1, 2, 3, 4]
+    p = SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=1.0, seed=3, n=3)
+    got = llm.generate([a, b], p)
+    alone = [llm.generate([t], replace(p, n=1, seed=choice_seed(3, i)))[0].token_ids
+             for t in (a, b) for i in range(3)]
+    assert [o.token_ids for o in got] == alone
+    assert [o.metrics.batch for o in got] == [4, 4, 4, 4, 2, 2]
+    assert "generate (ar)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(prompts=[""]), "prompt is empty"),
     (dict(prompts=[[]]), "prompt is empty"),
     (dict(prompts=[[1] * 250], params=SamplingParams(max_new_tokens=10)), "more than the context"),
-    (dict(prompts=[[1]] * 5), "exceeds max_batch=4"),
-    (dict(prompts=[[1], [2]], params=SamplingParams(n=3)), "batch of 6 rows .* exceeds"),
+    # A later batch that does not fit is an error before the first runs.
+    (dict(prompts=[[1]] * 4 + [[1] * 250], params=SamplingParams(max_new_tokens=10)),
+     "more than the context"),
     (dict(prompts=[[1, 999]]), "outside the model's vocabulary"),
     (dict(prompts=[[1, 2]], params=SamplingParams(logit_bias={999: 1.0})),
      r"logit_bias ids \[999\] are outside the model's vocabulary"),
