@@ -16,7 +16,9 @@ JAX runs without checking: like JAX's own cache, it must not be writable by anyo
 JAX writes entries from process 0 only, a guard for many hosts sharing one remote store. The
 two worker processes of the CPU driver share one machine and a file-locked local directory,
 and the draft worker (process 1) compiles programs of its own: `write_from_any_process` lets
-it write them too, or SSD's start-up, which waits for the slower worker, would hardly gain.
+it write them too, or SSD's start-up, which waits for the slower worker, would hardly gain. A
+pod's draft group is the same case: its first process writes its programs (runtime/pod.py's
+`is_group_lead`).
 """
 from __future__ import annotations
 

@@ -88,6 +88,11 @@ class Engine:
                     f"LLM('smollm2', draft={str(model)!r})")
         self.split = split_devices(*config.mesh) if config.mesh else None
         self.pod = _pod_of(self.split)
+        if self.pod is not None and self.pod.is_group_lead:
+            # JAX writes compiled programs from process 0 only, and no process of the target
+            # group compiles the draft group's: without this a pod (the pinned CPU server's)
+            # compiled the draft's programs at every start.
+            compile_cache.write_from_any_process()
         self._control = self._watchdog = self._exchange = None
         self._live = None  # the lead's open live batch on a pod (runtime/pod_live.LeadLive)
         if self.pod is not None:

@@ -78,6 +78,9 @@ def main() -> int:
     llm = LLM(args.target, draft=args.draft, spec=SpecConfig(k=3, budget=8),
               engine=EngineConfig(max_batch=4, max_seq_len=256, prefill_bucket=16, mesh=mesh),
               cache_dir=args.cache_dir, progress=False)
+    # Every compiled program to the compilation cache (test_pod checks who writes), however
+    # fast this machine compiles the tiny models.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     if not llm.is_lead:
         llm.follow()
         return 0

@@ -85,9 +85,13 @@ def _served_oracle(ar: LLM, ssd: LLM) -> dict:
     return dict(greedy=greedy, sampled=ssd.prompts.text(tokens[:n]), biased=biased)
 
 
-def _launch(processes: int, devices: int, *job_args: str) -> subprocess.Popen:
+def _launch(processes: int, devices: int, *job_args: str, compile_cache: Path | None = None
+            ) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    if compile_cache is not None:  # ssd_jax's own (bounded) cache there, not the test run's
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
+        env["SSD_JAX_COMPILE_CACHE"] = str(compile_cache)
     env.pop("SSD_JAX_PEER_TIMEOUT_S", None)  # the default, 20 s: what a user gets
     env.pop("XLA_FLAGS", None)
     cmd = [sys.executable, "-m", "ssd_jax.launch", "--processes", str(processes),
@@ -96,10 +100,10 @@ def _launch(processes: int, devices: int, *job_args: str) -> subprocess.Popen:
                             text=True)
 
 
-def _run_job(pair, tmp_path, processes, devices, mesh) -> dict:
+def _run_job(pair, tmp_path, processes, devices, mesh, compile_cache=None) -> dict:
     out = tmp_path / "out.json"
     proc = _launch(processes, devices, *pair, str(out), "--mesh", mesh, "--sampled", "--serve",
-                   "--auto", "--cache-dir", str(tmp_path / "cache"))
+                   "--auto", "--cache-dir", str(tmp_path / "cache"), compile_cache=compile_cache)
     try:
         log, _ = proc.communicate(timeout=JOB_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -192,12 +196,17 @@ def _check_logprobs(got: dict, oracle: dict) -> None:
 
 
 def test_three_processes_target_tp2_across_two(pair, oracle, tmp_path):
-    got = _run_job(pair, tmp_path, 3, 1, "2,1")
+    got = _run_job(pair, tmp_path, 3, 1, "2,1", compile_cache=tmp_path / "xla")
     assert got["pod"].splitlines() == [
         "process 0 (target group lead): target TP-2 shards [0]",
         "process 1 (target group): target TP-2 shards [1]",
         "process 2 (draft group): draft TP-1 shards [0]"]
     _check(got, oracle)
+    # The draft group's programs are in the compilation cache: JAX writes from process 0
+    # only, so process 2, the draft group's first, writes them itself (SSD's cache build
+    # runs in the draft group alone).
+    names = [p.name for p in (tmp_path / "xla").iterdir()]
+    assert any(n.startswith("jit_build_cache-") and n.endswith("-cache") for n in names), names
 
 
 @pytest.mark.slow  # 1.5 min; the three-process layout above runs the same job by default

@@ -73,6 +73,13 @@ class Pod:
     def is_lead(self) -> bool:
         return self.process == self.lead
 
+    @property
+    def is_group_lead(self) -> bool:
+        """The first process of the target or the draft group: it compiles the programs its
+        group's processes all compile (one SPMD program each), and writes them to the
+        compilation cache (compile_cache.write_from_any_process)."""
+        return self.process in (self.target_procs[0], self.draft_procs[0])
+
     def role_of(self, process: int) -> str:
         return ("target" if process in self.target_procs else
                 "draft" if process in self.draft_procs else "idle")
