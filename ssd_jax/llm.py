@@ -318,6 +318,12 @@ class LLM:
                 bar.close()
         return outs
 
+    def fill_in_middle(self, prefix: str, suffix: str) -> list[int]:
+        """A fill-in-the-middle prompt (token ids, for `generate` / `stream`) for a code model
+        trained for it (Qwen2.5-Coder): the answer is what goes between `prefix` and
+        `suffix`. A tokenizer without FIM tokens is a ValueError naming the fix."""
+        return self.prompts.fill_in_middle(prefix, suffix)
+
     @no_type_check
     def warmup(self, prompts: Prompt | Sequence[Prompt],
                sampling_params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),

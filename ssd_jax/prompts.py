@@ -111,6 +111,23 @@ class Prompts:
                              f"[0, {self.config.vocab_size}): give ids of this model's tokenizer")
         return ids
 
+    def fill_in_middle(self, prefix: str, suffix: str) -> list[int]:
+        """The token ids of a fill-in-the-middle prompt: the model writes what goes between
+        `prefix` and `suffix` (prefix-suffix-middle order, as code models are trained)."""
+        fim = None if self.tokenizer is None else self.tokenizer.fim_ids()
+        if fim is None:
+            raise ValueError("this model's tokenizer has no fill-in-the-middle tokens "
+                             "(<|fim_prefix|> ..., or <fim_prefix> ...): a suffix needs a code "
+                             "model trained for it, e.g. qwen2.5-coder-1.5b")
+        if not (isinstance(prefix, str) and isinstance(suffix, str) and (prefix or suffix)):
+            raise ValueError("fill-in-the-middle takes a text prefix and a text suffix, not "
+                             "both empty")
+        tok = self.tokenizer
+        bos = [tok.bos_token_id] if tok.add_bos and tok.bos_token_id is not None else []
+        ids = (bos + [fim[0]] + tok.encode(prefix, add_special_tokens=False) + [fim[1]]
+               + tok.encode(suffix, add_special_tokens=False) + [fim[2]])
+        return self.encode(ids, chat=False)  # the vocabulary check
+
     def stop_ids(self, p: SamplingParams) -> list[int]:
         eos = [] if p.ignore_eos else list(self.config.eos_token_ids or ())
         if not p.ignore_eos and self.tokenizer is not None:

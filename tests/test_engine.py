@@ -125,6 +125,25 @@ def test_n_answers_per_prompt(tiny):
         next(llm.stream(a, SamplingParams(n=2)))
 
 
+def test_fill_in_the_middle_prompt(tiny):
+    """A tokenizer with FIM tokens (StarCoder's names here; Qwen2.5-Coder's in
+    test_real_pair): prefix-suffix-middle order; one without them is one line naming the fix."""
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from ssd_jax.loading.tokenizer import Tokenizer
+    from ssd_jax.prompts import Prompts
+    llm, _ = tiny
+    words = {f"w{i}": i for i in range(125)}
+    words.update({"<fim_prefix>": 125, "<fim_suffix>": 126, "<fim_middle>": 127})
+    backend = HFTokenizer(WordLevel(words, unk_token="w0"))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece()
+    backend.add_special_tokens([AddedToken(t, special=True) for t in list(words)[125:]])
+    prompts = Prompts(Tokenizer(backend), llm.core.model_config, 0)
+    assert prompts.fill_in_middle("w5 w6", "w7") == [125, 5, 6, 126, 7, 127]
+    with pytest.raises(ValueError, match="no fill-in-the-middle tokens"):
+        llm.fill_in_middle("w5", "w6")
+
+
 def test_more_rows_than_max_batch_run_in_batches(tiny, capsys):
     """Six rows (two prompts, n=3) with max_batch=4: two batches, in order; each answer is
     the one its row gives alone; a progress bar counts them."""

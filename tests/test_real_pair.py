@@ -157,6 +157,9 @@ def test_token_ids_match_transformers(tokenizers):
     assert all(ours.decode(ours.encode(s), skip_special_tokens=False) == s for s in strings)
 
 
+FIM = ("def add(a, b):\n    return ", "\n\n\nprint(add(2, 3))\n")
+
+
 # --- models -------------------------------------------------------------------------------------
 
 def _until_stop(ids: list[int]) -> list[int]:
@@ -230,6 +233,22 @@ def test_greedy_continuation_matches_transformers(pair):
         assert out.token_ids == _until_stop(ref["continuation"][:48])
         assert len(out.token_ids) == 48 or out.finish_reason == "stop"
     assert any(len(out.token_ids) == 48 for out in outs)  # answers, not an instant stop
+
+
+def test_fill_in_the_middle_answers_the_gap(pair):
+    """Our FIM prompt is transformers' tokenisation of Qwen2.5-Coder's documented format, and
+    the instruct models fill the gap in the code (the function body); the 1.5B then stops
+    (the 0.5B wrote on past the gap here: FIM users also stop on a blank line)."""
+    llm = pair["llm"]
+    prefix, suffix = FIM
+    hf = _hf_tokenizer(pair["path"])
+    ids = llm.fill_in_middle(prefix, suffix)
+    assert ids == hf.encode(f"<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>",
+                            add_special_tokens=False)
+    out = llm.generate(ids, SamplingParams(max_new_tokens=16), mode="ar")[0]
+    assert out.text.startswith("a + b")
+    if pair["name"] == "qwen2.5-coder-1.5b":
+        assert out.text.strip() == "a + b" and out.finish_reason == "stop"
 
 
 def test_weights_match_independent_dequantisation(pair):

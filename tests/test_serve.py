@@ -373,6 +373,17 @@ def _offline(server, p: str, n: int, **kw):
                                mode="ar", chat=False)[0]
 
 
+def test_a_suffix_needs_fill_in_the_middle_tokens(served):
+    """Completions' suffix on a model without FIM tokens (SmolLM2): a 400 naming the fix."""
+    import httpx
+    _, url, _ = served
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "def f(x):",
+                                                  "suffix": "\n    return y", "max_tokens": 4})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "suffix", r.text
+    assert "no fill-in-the-middle tokens" in err["message"] and "qwen2.5-coder" in err["message"]
+
+
 def test_stop_token_ids_end_the_answer(served):
     """vLLM's stop_token_ids: the answer ends at the first of them (included, as offline
     generate includes a stop token), finish_reason "stop"; ids past the vocabulary are a 400."""
@@ -542,6 +553,19 @@ def test_protocol_refuses_what_it_does_not_support():
                           "stop": ["\n\n", "END"], "max_completion_tokens": 5, "top_k": 3,
                           "seed": 7}, model_name="m", encode=enc)
     assert job.params.stop == ("\n\n", "END") and job.params.max_new_tokens == 5
+    # Completions' suffix: each text prompt is a fill-in-the-middle prefix.
+    fim = lambda prefix, suffix: [7, len(prefix), 8, len(suffix), 9]  # noqa: E731
+    jobs = parse("completion", {"model": "m", "prompt": ["ab", "abc"], "suffix": "xyz"},
+                 model_name="m", encode=enc, infill=fim)
+    assert [j.prompt_ids for j in jobs] == [[7, 2, 8, 3, 9], [7, 3, 8, 3, 9]]
+    for body, field, infill in [({"suffix": 3}, "suffix", fim),
+                                ({"suffix": "x", "echo": True}, "echo", fim),
+                                ({"suffix": "x", "prompt": [[1, 2]]}, "suffix", fim),
+                                ({"suffix": "x"}, "suffix", None)]:
+        with pytest.raises(APIError) as e:
+            parse("completion", {"model": "m", "prompt": "a", **body}, model_name="m",
+                  encode=enc, infill=infill)
+        assert e.value.status == 400 and e.value.param == field, body
     assert job.params.top_k == 3 and job.params.seed == 7
     for body, field in [({"model": "m", "messages": [], "tools": [{"type": "function"}]}, "tools"),
                         ({"model": "m", "messages": [], "frobnicate": 1}, "frobnicate"),

@@ -19,6 +19,12 @@ _SPLIT = {
 }
 
 
+# Fill-in-the-middle tokens by family, (prefix, suffix, middle); the prompt is prefix-suffix-
+# middle order (PSM) in both.
+FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder
+              ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))  # StarCoder / SantaCoder
+
+
 @dataclass
 class Tokenizer:
     """Text <-> ids, plus what generation needs: the chat template and the stop tokens."""
@@ -42,6 +48,15 @@ class Tokenizer:
                 and ids[:1] != [self.bos_token_id]):
             ids = [self.bos_token_id] + ids
         return ids
+
+    def fim_ids(self) -> tuple[int, int, int] | None:
+        """(prefix, suffix, middle): the fill-in-the-middle tokens of a code model trained for
+        it (Qwen2.5-Coder's <|fim_prefix|>..., StarCoder's <fim_prefix>...); None without."""
+        for names in FIM_TOKENS:
+            ids = [self.backend.token_to_id(n) for n in names]
+            if None not in ids:
+                return ids[0], ids[1], ids[2]
+        return None
 
     def decode(self, ids, *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)

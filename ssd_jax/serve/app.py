@@ -88,7 +88,7 @@ def build_app(server, api_key: str | None = None) -> Starlette:
         try:
             body = await body_of(http)
             jobs = protocol.parse(kind, body, model_name=server.model_name,
-                                  encode=server.encode)
+                                  encode=server.encode, infill=server.llm.fill_in_middle)
             server.check_request(jobs)
         except APIError as e:
             return None, None, _error(e)

@@ -72,7 +72,7 @@ FIELDS = {"completion": COMMON | {"prompt", "echo", "best_of", "suffix"},
           "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                             "tool_choice", "parallel_tool_calls", "response_format"}}
 # Fields whose only supported value is "off": (field, the values that mean off).
-OFF = {"best_of": (None, 1), "suffix": (None, ""),
+OFF = {"best_of": (None, 1),
        "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
        "response_format": (None, {"type": "text"})}
 
@@ -135,11 +135,12 @@ def text_content(messages):
     return out
 
 
-def parse(kind: str, body, *, model_name: str, encode) -> list[Job]:
+def parse(kind: str, body, *, model_name: str, encode, infill=None) -> list[Job]:
     """Validate a request body: one job per prompt (chat: one). `encode(prompt_or_messages,
     chat: bool) -> ids` may raise ValueError (an unusable prompt), reported as a 400 on the
-    prompt field. Without max_tokens a job's max_new_tokens is a placeholder
-    (Job.max_tokens_given)."""
+    prompt field; so may `infill(prefix, suffix) -> ids`, a completion's fill-in-the-middle
+    prompt (its `suffix`), on the suffix field. Without max_tokens a job's max_new_tokens is
+    a placeholder (Job.max_tokens_given)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     unknown = sorted(set(body) - FIELDS[kind])
@@ -166,11 +167,15 @@ def parse(kind: str, body, *, model_name: str, encode) -> list[Job]:
     several = kind == "completion" and isinstance(prompt, list) and bool(prompt) and all(
         isinstance(p, (str, list)) for p in prompt)
     prompts = prompt if several else [text_content(prompt) if kind == "chat" else prompt]
-    try:
-        ids = [encode(p, kind == "chat") for p in prompts]
-    except ValueError as e:
-        raise APIError(400, str(e).splitlines()[0], prompt_field)
     echo = kind == "completion" and flag(body, "echo")
+    suffix = body.get("suffix") if kind == "completion" else None
+    if suffix not in (None, ""):
+        ids = _infill(prompts, suffix, echo, infill)
+    else:
+        try:
+            ids = [encode(p, kind == "chat") for p in prompts]
+        except ValueError as e:
+            raise APIError(400, str(e).splitlines()[0], prompt_field)
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
     max_tokens = _number(body, max_name, int, None, 0)
@@ -211,6 +216,25 @@ def parse(kind: str, body, *, model_name: str, encode) -> list[Job]:
     return [Job(kind, model, p, params, stream, bool(stream_options.get("include_usage")),
                 given, logprobs=lp, n=n, index=i, echo=echo, prompt_only=max_tokens == 0)
             for i, p in enumerate(ids)]
+
+
+def _infill(prompts: list, suffix, echo: bool, infill) -> list[list[int]]:
+    """Completions' `suffix`: each text prompt is the prefix of a fill-in-the-middle prompt."""
+    if not isinstance(suffix, str):
+        raise APIError(400, f"'suffix' must be a string, got {suffix!r}", "suffix")
+    if echo:
+        raise APIError(400, "'echo' with 'suffix' is not supported: the answer goes between "
+                            "prompt and suffix; drop one of them", "echo")
+    if not all(isinstance(p, str) for p in prompts):
+        raise APIError(400, "'suffix' needs text prompts (the code before the gap), not token "
+                            "ids", "suffix")
+    if infill is None:
+        raise APIError(400, "this server does not fill in the middle: remove 'suffix'",
+                       "suffix")
+    try:
+        return [infill(p, suffix) for p in prompts]
+    except ValueError as e:
+        raise APIError(400, str(e).splitlines()[0], "suffix")
 
 
 def choices_of(job: Job) -> list[Job]:
