@@ -270,8 +270,7 @@ class LLM:
         text = stop_strings.cut(self.prompts.text(out), p.stop, p.include_stop_str_in_output)
         if text is None:
             return
-        end = next(j for j in range(before + 1, len(out) + 1)
-                   if stop_strings.find(self.prompts.text(out[:j]), p.stop) is not None)
+        end = stop_strings.kept(out, before, self.prompts.text, p.stop)
         del out[end:]
         if got.lps[i] is not None:
             del got.lps[i][end:]

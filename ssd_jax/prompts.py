@@ -137,8 +137,9 @@ class Prompts:
     def prepare(self, prompts, sampling_params, chat: bool, *, draw_seeds: bool = True
                 ) -> tuple[list[list[int]], list[SamplingParams]]:
         """One prompt or a batch, with one SamplingParams or one per prompt -> (token ids per
-        row, params per row); a prompt whose params ask for n answers is n rows. draw_seeds=False leaves unseeded requests as they are (for a
-        look at shapes that must not shift the seeds later requests get)."""
+        row, params per row); a prompt whose params ask for n answers is n rows.
+        draw_seeds=False leaves unseeded requests as they are (for a look at shapes that must
+        not shift the seeds later requests get)."""
         if prompt_kind(prompts) is not None:  # one prompt, not a batch
             prompts = [prompts]
         elif isinstance(prompts, np.ndarray) and prompts.ndim == 2:

@@ -8,7 +8,7 @@ may be the start of a stop string, so streamed text is never taken back.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 
 def find(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
@@ -29,6 +29,14 @@ def cut(text: str, stops: Sequence[str], include: bool = False) -> str | None:
         return None
     i, s = hit
     return text[:i + len(s)] if include else text[:i]
+
+
+def kept(tokens: list[int], since: int, decode: Callable[[list[int]], str],
+         stops: Sequence[str]) -> int:
+    """How many of an answer's tokens it keeps once its text holds a stop string that the
+    first `since` tokens' text did not: up to the token that completed the string."""
+    return next(j for j in range(since + 1, len(tokens) + 1)
+                if find(decode(tokens[:j]), stops) is not None)
 
 
 def shown(text: str, stops: Sequence[str]) -> str:

@@ -244,8 +244,7 @@ class Scheduler:
         cut = stop_strings.cut(text, stops, req.job.params.include_stop_str_in_output)
         if cut is not None:
             # The answer ends with the token that completed the string, as offline.
-            end = next(j for j in range(before + 1, len(req.tokens) + 1)
-                       if stop_strings.find(self.text(req.tokens[:j]), stops) is not None)
+            end = stop_strings.kept(req.tokens, before, self.text, stops)
             del req.tokens[end:], req.entries[end:]
             text, reason = cut, "stop"
         elif reason is None:
