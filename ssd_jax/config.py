@@ -331,6 +331,10 @@ class EngineConfig:
     # of a small draft's step (Qwen2.5-0.5B, one pinned core, the engine's start-up step
     # costs: 53 vs 70 ms per token with 32768 of 151936 columns); None keeps it whole.
     draft_vocab: int | None = None
+    # More rows than max_batch in one generate call: decode them as one continuous batch of
+    # max_batch slots, a row joining as soon as another ends (this process's driver; the
+    # worker processes' and a pod's run consecutive batches). False: consecutive batches.
+    continuous: bool = True
 
     def __post_init__(self):
         if self.draft_vocab is not None:
@@ -338,6 +342,8 @@ class EngineConfig:
             if self.draft_vocab < 3:
                 raise ValueError(f"draft_vocab={self.draft_vocab} is invalid: give the number of "
                                  "LM-head columns to keep (e.g. 32768), or None for all")
+        if not isinstance(self.continuous, bool):
+            raise ValueError(f"continuous={self.continuous!r} is invalid: pass True or False")
         sizes = ("max_batch", "max_seq_len", "prefill_bucket", "sync_every", "worker_devices")
         _require_ints(self, *sizes)
         for name in sizes:

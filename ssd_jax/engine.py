@@ -811,19 +811,82 @@ class Engine:
                 return
             yield chunk, metrics
 
-    def live(self, mode: str, slots: int, spec: SpecConfig):
+    def live(self, mode: str, slots: int, spec: SpecConfig, *, seq_len: int | None = None,
+             greedy_only: bool = False, penalties: bool = True):
         """A `core.live.LiveBatch` of `slots` rows decoding `mode` in this process (a server's
-        continuous batch), with the settings it resolved (automatic ones chosen for `slots`)."""
+        continuous batch), with the settings it resolved (automatic ones chosen for `slots`).
+        `seq_len`: its cache (None: the context, max_seq_len); `greedy_only` / `penalties`:
+        its programs' flags (the defaults serve any request)."""
         from ssd_jax.core.live import LiveBatch
         spec, _ = self._spec_for(spec, mode, slots)
         if self.pod is not None:
             return self._live_in_pod(mode, slots, spec), spec
         link = LocalLink() if self.split is None else LocalLink(
             self.split.target_replicated, self.split.draft_replicated)
-        draft = {"ar": None, "sd": self.sd_draft_runner, "ssd": self.draft_runner}[mode]
+        draft = (None if mode == "ar" else
+                 self.sd_draft_runner if mode == "sd" else self.draft_runner)
         return LiveBatch(mode, self.runner, draft, self.vocab, slots=slots,
-                         seq_len=round_up(self.config.max_seq_len, 256),
-                         prefill_bucket=self.config.prefill_bucket, spec=spec, link=link), spec
+                         seq_len=round_up(seq_len or self.config.max_seq_len, 256),
+                         prefill_bucket=self.config.prefill_bucket, spec=spec, link=link,
+                         greedy_only=greedy_only, penalties=penalties), spec
+
+    def continuous(self, mode: str, params: list[SamplingParams], stops: list[list[int]]
+                   ) -> bool:
+        """Whether a call of these rows decodes as one continuous batch (continuous.py):
+        more rows than max_batch, EngineConfig.continuous, this process's driver, and rows a
+        live batch holds (its fixed widths of stop ids and logit biases; the consecutive
+        batches hold any)."""
+        from ssd_jax.core.live import BIAS_WIDTH, STOP_WIDTH
+        return (len(params) > self.config.max_batch and self.config.continuous
+                and self.driver(mode) == "single"
+                and all(len(s) <= STOP_WIDTH for s in stops)
+                and all(len(p.logit_bias) <= BIAS_WIDTH for p in params))
+
+    def _live_plan(self, ids: list[list[int]], params: list[SamplingParams], mode: str,
+                   spec: SpecConfig) -> tuple[SpecConfig, autotune.Choice | None, Shapes]:
+        """_plan for a continuous run: max_batch slots, each prompt's own bucket (a row joins
+        alone), the cache sized for the call's longest row."""
+        fits = (self.config, self.model_config.max_position_embeddings)
+        for t, p in zip(ids, params):
+            check_fits([t], [p], mode, *fits)
+        rows = 1 << (self.config.max_batch - 1).bit_length()
+        sampled = next((p for p in params if p.temperature > 0), None)
+        spec, choice = self._spec_for(spec, mode, rows, sampled)
+        need = max(check_fits([t], [p], mode, *fits, k=spec.k or 0)
+                   for t, p in zip(ids, params))
+        prompt = round_up(max(len(t) for t in ids), self.config.prefill_bucket)
+        slack = spec.k + 2 if mode != "ar" else 1
+        return spec, choice, (rows, prompt, round_up(max(need, prompt) + slack, 256))
+
+    def run_continuous(self, ids: list[list[int]], params: list[SamplingParams],
+                       stops: list[list[int]], mode: str, spec: SpecConfig,
+                       ended) -> Iterator[tuple[list[list[int]], RunMetrics]]:
+        """`run` for more rows than max_batch, as one continuous batch of max_batch slots
+        (continuous.py); `ended(i)`: the caller has ended row i (its slot frees)."""
+        from ssd_jax import continuous
+        self.last_choice = None
+        spec, choice, (rows, _, seq_len) = self._live_plan(ids, params, mode, spec)
+        self.last_choice = choice
+        greedy = all(p.temperature == 0 for p in params)
+        settings = self._settings(spec, mode, choice, rows, greedy)
+        predicted = self._fallback_prediction(mode, spec, choice, rows, params)
+        if predicted is not None:
+            settings.update(predicted=predicted)
+        count = self._fallback.setdefault(mode, [0, 0])
+        ran = mode
+        if self._falls_back(mode, predicted, count):
+            settings.update(ar_fallback=True)
+            ran = "ar"
+        elif predicted is not None:
+            count[:] = [0, 0]
+        live, _ = self.live(ran, rows, spec, seq_len=seq_len, greedy_only=greedy,
+                            penalties=any(p.penalized for p in params))
+        metrics = RunMetrics(mode=ran, batch=len(ids), k=spec.k if ran != "ar" else 0,
+                             settings=settings)
+        for chunk in continuous.decode(live, ids, params, stops, ended, metrics):
+            if predicted is not None:
+                count[0 if ran != mode else 1] += tokens_in(chunk)
+            yield chunk, metrics
 
     def _decode_here(self, batch: Batch, mode: str, spec: SpecConfig, metrics: RunMetrics,
                      seq_len: int, link=None, role: str | None = None

@@ -224,8 +224,16 @@ class LLM:
                         [None if p.logprobs is None else [] for p in params], [None] * len(ids),
                         [None] * len(ids))
         out, reason, lps = got.out, got.reason, got.lps
-        stops = [set(self.prompts.stop_ids(p)) for p in params]
-        for toks, metrics in self._run(ids, params, mode, spec, sync_phases):
+        stop_ids = [self.prompts.stop_ids(p) for p in params]
+        stops = [set(s) for s in stop_ids]
+        if self.core.continuous(mode, params, stop_ids):
+            # A row this loop has ended frees its slot for the next (continuous.py).
+            chunks = self.core.run_continuous(ids, params, stop_ids, mode,
+                                              self._call_spec(spec),
+                                              lambda i: reason[i] is not None)
+        else:
+            chunks = self._run(ids, params, mode, spec, sync_phases)
+        for toks, metrics in chunks:
             for i in range(len(ids)):
                 before = len(out[i])
                 for t in toks[i]:
@@ -283,8 +291,11 @@ class LLM:
                  *, chat: bool = True, mode: str | None = None, spec: SpecConfig | None = None,
                  sync_phases: bool | None = None) -> list[RequestOutput]:
         """Generate for prompts: one output per prompt, or n consecutive ones where its
-        SamplingParams ask for n. More rows than EngineConfig.max_batch run as consecutive
-        batches of max_batch rows, in order, with a progress bar (the LLM's `progress`).
+        SamplingParams ask for n. More rows than EngineConfig.max_batch decode as one
+        continuous batch of max_batch slots, a row joining as soon as another ends (in this
+        process; worker processes and pods, or EngineConfig(continuous=False), run
+        consecutive batches of max_batch rows), with a progress bar (the LLM's `progress`).
+        A row's answer is the same either way; a continuous run does not time its phases.
         Strings go through the chat template unless chat=False; token-id lists are used as
         they are. mode: "ar", "sd" or "ssd" (default: "sd" when a draft is loaded, else
         "ar"). spec: this call's speculation settings (None: the LLM's); sync_phases: block
@@ -293,25 +304,31 @@ class LLM:
         ids, params = self._prepare(prompts, sampling_params, chat)
         size = self.engine.max_batch
         batches = [slice(lo, lo + size) for lo in range(0, len(ids), size)]
-        for b in batches:  # every batch fits before any runs: no answers lost to a late error
+        for b in batches:  # every row fits before any runs: no answers lost to a late error
             check_fits(ids[b], params[b], mode, self.engine,
                        self.core.model_config.max_position_embeddings, spec.k or 0)
+        if self.core.continuous(mode, params, [self.prompts.stop_ids(p) for p in params]):
+            batches = [slice(0, len(ids))]  # one continuous batch of max_batch slots
         bar = None
-        if len(batches) > 1 and self.core.progress:
+        if len(ids) > size and self.core.progress:
             from tqdm import tqdm
             bar = tqdm(total=len(ids), desc=f"generate ({mode})", unit="answer",
                        file=sys.stderr)
         outs = []
         try:
             for b in batches:
+                ended = 0
                 for got in self._collect(ids[b], params[b], mode, spec, sync):
-                    pass
+                    if bar is not None:
+                        now = sum(r is not None for r in got.reason)
+                        bar.update(now - ended)
+                        ended = now
                 metrics = self.last_metrics
                 outs += [RequestOutput(t, got.out[i], got.final_text(i, self.prompts.text),
                                        got.reason[i] or "length", metrics, got.lps[i],
                                        got.prompt_lps[i]) for i, t in enumerate(ids[b])]
                 if bar is not None:
-                    bar.update(len(ids[b]))
+                    bar.update(len(ids[b]) - ended)
         finally:
             if bar is not None:
                 bar.close()
@@ -329,15 +346,22 @@ class LLM:
                *, chat: bool = True, mode: str | None = None, spec: SpecConfig | None = None,
                sync_phases: bool | None = None) -> float:
         """Compile the programs a `generate` of these prompts will use (prefill and the decode
-        step at the same shape buckets) by running its first chunk (of its first batch, where
-        there are more rows than max_batch). Returns seconds spent."""
+        step at the same shape buckets) by running its first chunk (of its first batch where
+        there are more rows than max_batch; of a continuous batch, the first rows' joins and
+        a round). Returns seconds spent."""
         t0 = time.perf_counter()
         mode, spec, sync = self._call(mode, spec, sync_phases)
         ids, params = self._prepare(prompts, sampling_params, chat)
         size = self.engine.max_batch
-        for i, _ in enumerate(self._run(ids[:size], params[:size], mode, spec, sync)):
+        stops = [self.prompts.stop_ids(p) for p in params]
+        if self.core.continuous(mode, params, stops):  # the first rows' joins and a round
+            chunks = self.core.run_continuous(ids, params, stops, mode, spec, lambda i: False)
+        else:
+            chunks = self._run(ids[:size], params[:size], mode, spec, sync)
+        for i, _ in enumerate(chunks):
             if i == 1:
                 break
+        chunks.close()
         return time.perf_counter() - t0
 
     @no_type_check
@@ -348,10 +372,13 @@ class LLM:
         """(padded batch, prompt bucket, cache length): the shapes a `generate` of these
         prompts compiles for. Two calls with equal shapes (and equal settings) share programs.
         With automatic settings (spec k=None) K is chosen as the run would choose it. More
-        rows than max_batch: the first batch's shapes."""
+        rows than max_batch: the continuous batch's (max_batch slots, the longest prompt's
+        bucket, the cache of the longest row), or with consecutive batches the first's."""
         mode, spec, _ = self._call(mode, spec, None)
         ids, params = self.prompts.prepare(prompts, sampling_params, chat, draw_seeds=False)
         size = self.engine.max_batch
+        if self.core.continuous(mode, params, [self.prompts.stop_ids(p) for p in params]):
+            return self.core._live_plan(ids, params, mode, spec)[2]
         return self.core.shapes(ids[:size], params[:size], mode, spec)
 
     @no_type_check

@@ -144,19 +144,24 @@ def test_fill_in_the_middle_prompt(tiny):
         llm.fill_in_middle("w5", "w6")
 
 
-def test_more_rows_than_max_batch_run_in_batches(tiny, capsys):
-    """Six rows (two prompts, n=3) with max_batch=4: two batches, in order; each answer is
-    the one its row gives alone; a progress bar counts them."""
+def test_more_rows_than_max_batch(tiny, capsys):
+    """Six rows (two prompts, n=3) with max_batch=4: one continuous batch of 4 slots, or with
+    continuous=False two consecutive batches; in order either way, each answer the one its
+    row gives alone; a progress bar counts them."""
     from ssd_jax.config import choice_seed
     llm, _ = tiny
     a, b = [5, 9, 11], [1, 2, 3, 4]
     p = SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=1.0, seed=3, n=3)
-    got = llm.generate([a, b], p)
     alone = [llm.generate([t], replace(p, n=1, seed=choice_seed(3, i)))[0].token_ids
              for t in (a, b) for i in range(3)]
+    got = llm.generate([a, b], p)
+    assert [o.token_ids for o in got] == alone
+    assert [o.metrics.batch for o in got] == [6] * 6
+    assert "generate (ar)" in capsys.readouterr().err
+    apart = LLM(llm.model, tokenizer=llm.tokenizer, engine=replace(ENGINE, continuous=False))
+    got = apart.generate([a, b], p)
     assert [o.token_ids for o in got] == alone
     assert [o.metrics.batch for o in got] == [4, 4, 4, 4, 2, 2]
-    assert "generate (ar)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -231,6 +236,8 @@ def test_bad_configs():
         SpecConfig(k=2.5)
     with pytest.raises(ValueError, match="drop mesh, or use driver='single'"):
         EngineConfig(mesh=(1, 1), driver="processes")
+    with pytest.raises(ValueError, match="continuous=1 is invalid: pass True or False"):
+        EngineConfig(continuous=1)
     with pytest.raises(ValueError, match="pass engine=EngineConfig"):
         LLM("/unused", engine={"max_batch": 2})
 

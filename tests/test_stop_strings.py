@@ -1,6 +1,8 @@
 """Stop strings offline (SamplingParams.stop, vLLM's): the answer ends at the first one its text
 holds, in generate, stream and every mode; the oracle is the same call without stop strings,
 cut by hand with the tokenizer."""
+from dataclasses import replace
+
 import pytest
 
 from ssd_jax import SamplingParams, stop_strings
@@ -79,6 +81,24 @@ def test_a_row_with_stop_strings_beside_one_without(smollm2, reference):
         SamplingParams(max_new_tokens=N, ignore_eos=True)])
     assert got[0].text == ref.text[:9] and got[0].finish_reason == "stop"
     assert got[1].token_ids == alone.token_ids and got[1].finish_reason == "length"
+
+
+def test_a_stop_string_frees_its_slot_in_a_continuous_batch(smollm2, reference):
+    """Past max_batch (one continuous batch, continuous.py) a row ended by a stop string,
+    which only the host sees, leaves its slot to the next row at once."""
+    from ssd_jax import LLM, EngineConfig
+    ref, stop = reference
+    llm = LLM(smollm2.model, tokenizer=smollm2.tokenizer, engine=EngineConfig(max_batch=2),
+              progress=False)
+    other = "Name three colours."
+    p = SamplingParams(max_new_tokens=N, ignore_eos=True)
+    alone = smollm2.generate(other, p)[0]
+    got = llm.generate([PROMPT, other, PROMPT], [replace(p, stop=stop), p, p])
+    assert (got[0].text, got[0].finish_reason) == (ref.text[:9], "stop")
+    assert got[1].token_ids == alone.token_ids and got[2].token_ids == ref.token_ids
+    # The third row joined when the first ended (a few tokens in), not at its budget: the
+    # rows in series would take 2 (N - 1) steps.
+    assert got[0].metrics.decode_steps < N + 8
 
 
 def test_stop_strings_need_a_tokenizer(smollm2):

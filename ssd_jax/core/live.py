@@ -9,10 +9,11 @@ done on every side, which freezes it exactly as a finished row is frozen; its sl
 Rows never see each other (attention, sampling keys and verification are per row), so a
 request's tokens do not depend on what else runs: greedy output equals offline `generate`.
 
-The batch is built with greedy_only=False, so one set of programs serves greedy and sampled
-requests alike (greedy rows take exact argmaxes inside them), with penalties=True (the target's
-rows always carry token counts, so a request with penalties joins the same programs), and with
-STOP_WIDTH stop ids per row, so every join writes rows of one shape.
+A server's batch is built with greedy_only=False, so one set of programs serves greedy and
+sampled requests alike (greedy rows take exact argmaxes inside them), with penalties=True (the
+target's rows always carry token counts, so a request with penalties joins the same programs),
+and with STOP_WIDTH stop ids per row, so every join writes rows of one shape. Offline
+`generate` (continuous.py), knowing all its rows, may take the greedy-only programs.
 """
 from __future__ import annotations
 
@@ -45,13 +46,14 @@ def _pad(x, width: int, value, what: str):
                            axis=1)
 
 
-def _live(b: Batch) -> Batch:
-    """A batch as the live batch holds it: sampled programs, stop ids padded to STOP_WIDTH and
-    logit biases to BIAS_WIDTH."""
+def _live(b: Batch, greedy_only: bool = False, penalties: bool = True) -> Batch:
+    """A batch as the live batch holds it: its programs' flags (by default sampled ones with
+    token counts, which serve any request), stop ids padded to STOP_WIDTH and logit biases to
+    BIAS_WIDTH."""
     s = b.req.sampling
     sampling = s._replace(bias_ids=_pad(s.bias_ids, BIAS_WIDTH, 0, "logit_bias entries"),
                           bias=_pad(s.bias, BIAS_WIDTH, 0.0, "logit_bias entries"))
-    return replace(b, greedy_only=False, penalties=True, req=b.req._replace(
+    return replace(b, greedy_only=greedy_only, penalties=penalties, req=b.req._replace(
         stop_ids=_pad(b.req.stop_ids, STOP_WIDTH, -1, "stop token ids"), sampling=sampling))
 
 
@@ -90,12 +92,18 @@ class LiveBatch:
     holds one, "target" or "draft", and builds this object with the runner of that side only;
     `link` and `join_link` are then the groups' CollectiveLinks for the batch and for one
     joining row, and every process of both groups makes the same calls in the same order
-    (runtime/pod_live.py mirrors the lead's)."""
+    (runtime/pod_live.py mirrors the lead's).
+
+    `greedy_only` / `penalties`: the programs' flags (Batch's). A server cannot know its
+    requests ahead and keeps the defaults, which serve any; offline `generate` knows its rows
+    and takes the cheaper programs where they allow (greedy rows only; no penalties)."""
 
     def __init__(self, mode: str, target_runner, draft_runner, vocab, *, slots: int,
                  seq_len: int, prefill_bucket: int, spec=None, link=LocalLink(),
-                 side: str | None = None, join_link=None, shardings=None):
+                 side: str | None = None, join_link=None, shardings=None,
+                 greedy_only: bool = False, penalties: bool = True):
         self.mode, self.seq_len, self.bucket, self.link = mode, seq_len, prefill_bucket, link
+        self.greedy_only, self.penalties = greedy_only, penalties
         self.join_link = join_link or link
         self.spec, self.vocab, self.draft_runner = spec, vocab, draft_runner
         self.on_target, self.on_draft = shardings or (link.target, link.draft)
@@ -116,14 +124,15 @@ class LiveBatch:
         elif mode == "sd":
             self.draft_cache = draft_runner.new_cache(slots, seq_len)
             self.sd_cfg = DraftConfig(draft_runner.graphdef, vocab, spec.k, budget=0,
-                                      greedy_only=False)
+                                      greedy_only=greedy_only)
         self.state = RoundState(ts, ds, spec_t)
         self.slots = slots
         self._records: list = []  # SSD: draft-side outcomes since the fan-out's last refit
         self._joining: tuple | None = None  # SSD: (slot, first speculation) not handed over
 
     def _batch(self, ids, params) -> Batch:
-        return _live(make_batch(ids, params, [[]] * len(ids), self.bucket))
+        return _live(make_batch(ids, params, [[]] * len(ids), self.bucket), self.greedy_only,
+                     self.penalties)
 
     # ---------------------------------------------------------------- slots
     def free_slots(self) -> list[int]:
@@ -181,7 +190,8 @@ class LiveBatch:
 
     def request(self, ids: list[int], params: SamplingParams, stops: list[int]) -> Batch:
         """One request as a joining row; raises ValueError for what it cannot hold."""
-        return _live(make_batch([ids], [params], [stops], self.bucket))
+        return _live(make_batch([ids], [params], [stops], self.bucket), self.greedy_only,
+                     self.penalties)
 
     def leave(self, slot: int) -> None:
         """Free `slot` (finished, cancelled or disconnected): the row is frozen on every side."""

@@ -67,7 +67,8 @@ def blockwise_token_logprobs(head, x: Float[Array, "B T D"], tokens: Int[Array, 
     return TokenLogprobs(*(join(a) for a in out))
 
 
-def with_logprobs(out: np.ndarray, lp: TokenLogprobs, rows: int) -> list[list[tuple]]:
+def with_logprobs(out: np.ndarray, lp: TokenLogprobs | HostLogprobs, rows: int
+                  ) -> list[list[tuple]]:
     """A round's (or step's) emitted tokens [B, T] (-1: none) and their TokenLogprobs -> per
     real row, (token, logprob, {id: logprob} of the top-N) for each emitted token."""
     chosen, top_ids, top = (np.asarray(a) for a in lp)
