@@ -397,3 +397,25 @@ def test_a_context_too_short_and_bad_results_files_are_one_line(pair, tmp_path, 
         assert main(["report", str(bad)]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "is not ssd-bench results" in err
+
+
+# ------------------------------------------------------------------ continuous vs consecutive
+def test_continuous_batch_budgets_and_flags():
+    from bench.continuous_batch import budgets, main as continuous
+    assert budgets(5, 10, 50) == [10, 30, 50, 40, 20]  # short and long rows mixed
+    for argv in (["--max-tokens", "9,2"], ["--max-tokens", "x"], ["--mode", "sd"]):
+        with pytest.raises(SystemExit) as e:
+            continuous(argv)
+        assert e.value.code == 2
+
+
+@pytest.mark.slow  # ~50 s: SmolLM2 loaded and compiled both ways
+def test_continuous_batch_smoke(tmp_path, capsys):
+    from bench.continuous_batch import main as continuous
+    out = tmp_path / "c.json"
+    assert continuous(["--prompts", "3", "--max-batch", "2", "--max-tokens", "2,6",
+                       "--repeats", "1", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["budgets"] == [2, 6, 4] and 3 <= got["tokens"] <= 12
+    assert set(got["rows"]) == {"continuous", "consecutive"} and got["speedup"] > 0
+    assert "| continuous |" in capsys.readouterr().out
