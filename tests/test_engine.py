@@ -154,10 +154,17 @@ def test_more_rows_than_max_batch(tiny, capsys):
     p = SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=1.0, seed=3, n=3)
     alone = [llm.generate([t], replace(p, n=1, seed=choice_seed(3, i)))[0].token_ids
              for t in (a, b) for i in range(3)]
+    assert llm.shapes([a, b], p) == (4, 16, 256)  # 4 slots, each prompt joins alone
+    assert llm.warmup([a, b], p) > 0
     got = llm.generate([a, b], p)
     assert [o.token_ids for o in got] == alone
     assert [o.metrics.batch for o in got] == [6] * 6
     assert "generate (ar)" in capsys.readouterr().err
+    # Rows a live batch cannot hold (more stop ids than its width) run in consecutive batches.
+    rows = [replace(p, n=1)] * 6
+    assert llm.core.continuous("ar", rows, [[2]] * 6)
+    assert not llm.core.continuous("ar", rows[:4], [[2]] * 4)
+    assert not llm.core.continuous("ar", rows, [[2]] * 5 + [list(range(17))])
     apart = LLM(llm.model, tokenizer=llm.tokenizer, engine=replace(ENGINE, continuous=False))
     got = apart.generate([a, b], p)
     assert [o.token_ids for o in got] == alone
