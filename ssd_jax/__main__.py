@@ -99,6 +99,8 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--min-p", type=float, default=0.0,
+                    help="keep tokens at least this fraction as likely as the top one (vLLM's; 0: off)")
     ap.add_argument("--seed", type=int, default=None, help="default: from the engine's seed 0")
     ap.add_argument("--presence-penalty", type=float, default=0.0,
                     help="subtracted once from each answer token's logit (OpenAI's, [-2, 2])")
@@ -113,7 +115,8 @@ def main(argv=None) -> int:
     try:
         distributed.initialize()  # multi-host jobs: join before anything touches a device
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                                seed=args.seed,
                                 presence_penalty=args.presence_penalty,
                                 frequency_penalty=args.frequency_penalty,
                                 repetition_penalty=args.repetition_penalty,

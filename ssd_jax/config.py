@@ -135,7 +135,9 @@ MAX_LOGPROBS = 20  # top alternatives per token, at most (as vLLM's and OpenAI's
 class SamplingParams:
     """Per-request sampling settings (the vLLM-style surface users know).
 
-    temperature=0 is greedy. top_k=0 and top_p=1 disable those filters. `seed` makes a request's
+    temperature=0 is greedy. top_k=0, top_p=1 and min_p=0 disable those filters (min_p, vLLM's
+    and llama.cpp's: a token is kept when its probability is at least min_p times the most
+    likely token's, after temperature). `seed` makes a request's
     sampled tokens reproducible regardless of which other requests share its batch; without one,
     the engine draws a fresh seed per request (from EngineConfig.seed), so two unseeded requests
     in a batch sample independently.
@@ -144,6 +146,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     max_new_tokens: int = 64
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
@@ -216,6 +219,9 @@ class SamplingParams:
                              "below 2**31 (a count past the vocabulary keeps every token)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p} is invalid: it must lie in (0, 1]; 1 turns it off")
+        v = self.min_p
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0.0 <= v <= 1.0:
+            raise ValueError(f"min_p={v!r} is invalid: it must lie in [0, 1]; 0 turns it off")
         if self.max_new_tokens < 1:
             raise ValueError(
                 f"max_new_tokens={self.max_new_tokens} is invalid: ask for at least 1 token")

@@ -496,7 +496,10 @@ class Engine:
                 or self.tokenizer is None or self.pod is not None):
             return None
         t, top_k, top_p = float(sampling.temperature), int(sampling.top_k), float(sampling.top_p)
+        min_p = float(sampling.min_p)
         key = f"{self._pair}|head {self.config.draft_vocab}|T={t:g}|top_k={top_k}|top_p={top_p:g}"
+        if min_p:
+            key += f"|min_p={min_p:g}"
         store = autotune.TuneStore(autotune.store_path(self.cache_dir))
         curve = store.saguaro(key)
         if curve is None and not measure:
@@ -510,12 +513,14 @@ class Engine:
                     if tok.chat_template else CALIBRATION_PROMPT)
             ids = tok.encode(text, add_special_tokens=not tok.chat_template)
             if self.driver(mode) == "processes":
-                p, q = self._workers().calibration_probs(ids, POSITIONS, t, top_k, top_p)
+                p, q = self._workers().calibration_probs(ids, POSITIONS, t, top_k, top_p,
+                                                         min_p)
             else:
                 more, p = target_calibration(self.runner, ids, t, top_k, top_p, POSITIONS,
-                                             self.split and self.split.target_replicated)
+                                             self.split and self.split.target_replicated,
+                                             min_p)
                 q = teacher_forced_probs(self.draft_runner, ids + more, t, top_k, top_p,
-                                         self.vocab, last=len(more))
+                                         self.vocab, last=len(more), min_p=min_p)
             curve = SaguaroCurve.fit(p, q)
             store.save_saguaro(key, curve)
         self._curve, self._curve_key = curve, key

@@ -39,13 +39,13 @@ CALIBRATION_PROMPT = ("Write a Python function that merges two sorted lists into
 
 
 def sample_continuation(runner, ids: list[int], temperature: float, top_k: int, top_p: float,
-                        n: int = POSITIONS, sharding=None) -> list[int]:
+                        n: int = POSITIONS, sharding=None, min_p: float = 0.0) -> list[int]:
     """`n` tokens the target samples after `ids` at these settings (seed 0)."""
     from ssd_jax.config import SamplingParams
     from ssd_jax.core.batch import make_batch, round_up
     from ssd_jax.core.metrics import RunMetrics
     from ssd_jax.core.rounds import TargetSide, ar_loop
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             max_new_tokens=n, seed=0, ignore_eos=True)
     batch = make_batch([ids], [params], [[]], 64)
     side = TargetSide(runner, batch.place(sharding),
@@ -57,18 +57,19 @@ def sample_continuation(runner, ids: list[int], temperature: float, top_k: int, 
 
 
 def target_calibration(runner, prompt: list[int], temperature: float, top_k: int,
-                       top_p: float, n: int = POSITIONS, sharding=None
+                       top_p: float, n: int = POSITIONS, sharding=None, min_p: float = 0.0
                        ) -> tuple[list[int], np.ndarray]:
     """The target's side of a calibration: `n` tokens it samples after `prompt`, and its
     probabilities for them ([n, V]). The draft then scores prompt + those tokens
     (teacher_forced_probs with its vocab map and last=n)."""
-    more = sample_continuation(runner, prompt, temperature, top_k, top_p, n, sharding)
+    more = sample_continuation(runner, prompt, temperature, top_k, top_p, n, sharding, min_p)
     return more, teacher_forced_probs(runner, prompt + more, temperature, top_k, top_p,
-                                      last=len(more))
+                                      last=len(more), min_p=min_p)
 
 
 def teacher_forced_probs(runner, tokens: list[int], temperature: float, top_k: int,
-                         top_p: float, vocab=None, last: int | None = None) -> np.ndarray:
+                         top_p: float, vocab=None, last: int | None = None,
+                         min_p: float = 0.0) -> np.ndarray:
     """[N, V_target] next-token probabilities of `runner`'s model at each position of
     `tokens`, processed as a run at these settings processes them (`last`: only the last N
     positions' predictions, those of a continuation's tokens). `vocab`: the draft's map (its
@@ -90,7 +91,7 @@ def teacher_forced_probs(runner, tokens: list[int], temperature: float, top_k: i
     if vocab is not None:
         logits = vocab.proposable(logits)
     probs = process_probs(logits, jnp.full((1,), temperature), jnp.full((1,), top_k, jnp.int32),
-                          jnp.full((1,), top_p))
+                          jnp.full((1,), top_p), jnp.full((1,), min_p))
     if vocab is not None:
         probs = vocab.target_probs(probs)
     return np.asarray(probs[0] if last is None else probs[0, n - 1 - last:n - 1], np.float32)

@@ -1,4 +1,5 @@
-"""Token distributions and sampling: temperature / top-k / top-p, Gumbel-max, Saguaro rescaling.
+"""Token distributions and sampling: temperature / min-p / top-k / top-p, Gumbel-max, Saguaro
+rescaling.
 
 `process_probs` is *the* definition of a row's distribution. The AR engine samples from it, the
 draft samples speculated tokens from it (optionally Saguaro-rescaled), and verification compares
@@ -98,12 +99,16 @@ def process_probs(
     temperature: Float[Array, " B"],
     top_k: Int[Array, " B"],
     top_p: Float[Array, " B"],
+    min_p: Float[Array, " B"] | None = None,
 ) -> Float[Array, "B *S V"]:
-    """softmax(logits / T), then top-k (0 = off), then top-p (1.0 = off), renormalised, fp32.
+    """softmax(logits / T), then min-p (0 = off; None: no row uses it), then top-k (0 = off),
+    then top-p (1.0 = off), renormalised, fp32.
 
     Rows with T == 0 get a one-hot at argmax (ties -> lowest index). Per-row settings apply to
     every middle position (e.g. all K+1 verified positions of a row). Ties at the top-k / top-p
-    boundary keep the lowest token ids, so exactly top_k tokens survive.
+    boundary keep the lowest token ids, so exactly top_k tokens survive. min-p keeps the
+    tokens whose probability is at least min_p times the most likely one's, before top-k and
+    top-p (vLLM's order; llama.cpp's sampler chain orders them otherwise).
     """
     logits = logits.astype(jnp.float32)
     nd = logits.ndim
@@ -111,6 +116,11 @@ def process_probs(
     greedy = _per_row(temperature == 0, nd)
     safe_t = jnp.where(temperature > 0, temperature, 1.0)
     p = jax.nn.softmax(logits / _per_row(safe_t, nd), axis=-1)
+    if min_p is not None:
+        # Only zeroes: the renormalisations below (top-k's, and the last) restore the mass,
+        # and rows with min_p = 0 keep every token (p >= 0), bit for bit.
+        floor = _per_row(jnp.asarray(min_p, jnp.float32), nd) * p.max(-1, keepdims=True)
+        p = jnp.where(p >= floor, p, 0.0)
 
     top_k = jnp.broadcast_to(_per_row(jnp.asarray(top_k, jnp.int32), nd - 1), logits.shape[:-1])
     top_p = jnp.broadcast_to(_per_row(jnp.asarray(top_p, jnp.float32), nd - 1), logits.shape[:-1])
@@ -141,13 +151,14 @@ def next_token(
     top_k: Int[Array, " B"],
     top_p: Float[Array, " B"],
     keys: Key[Array, " B"],
+    min_p: Float[Array, " B"] | None = None,
 ) -> Int[Array, " B"]:
     """The AR step: greedy rows take argmax of the logits, other rows sample from process_probs."""
     temperature = jnp.asarray(temperature)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sampled(_):
-        drawn = sample(process_probs(logits, temperature, top_k, top_p), keys)
+        drawn = sample(process_probs(logits, temperature, top_k, top_p, min_p), keys)
         return jnp.where(temperature == 0, greedy, drawn)
 
     # An all-greedy batch skips the vocabulary-wide softmax and Gumbel noise (~2 ms per step

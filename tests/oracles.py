@@ -51,13 +51,14 @@ def chi2_pvalue(counts, probs) -> float:
 def exact_sequence_probs(hf_model, prompt: list[int], temperature: float, top_p: float,
                          n_out: int, bias: dict[int, float] | None = None,
                          no_stop: tuple[list[int], int] = ((), 0),
-                         penalties: tuple[float, float, float] | None = None
-                         ) -> dict[tuple[int, ...], float]:
+                         penalties: tuple[float, float, float] | None = None,
+                         min_p: float = 0.0) -> dict[tuple[int, ...], float]:
     """P(first n_out tokens after `prompt`) under a (tiny-vocabulary) transformers model, for
     every sequence: one batched forward over all V^n_out continuations, `bias` (OpenAI's
     logit_bias) added to the logits, then `penalties` = (presence, frequency, repetition)
     (penalised_logits), `no_stop` = (ids, m) banned from the first m tokens (vLLM's
-    min_tokens), temperature and top-p applied in float64 numpy."""
+    min_tokens), temperature, min-p (vLLM's: tokens below min_p times the top one's dropped,
+    before top-p) and top-p applied in float64 numpy."""
     import torch
     V = hf_model.config.vocab_size
     seqs = list(itertools.product(range(V), repeat=n_out))
@@ -75,6 +76,9 @@ def exact_sequence_probs(hf_model, prompt: list[int], temperature: float, top_p:
         logits[:, :m, t] = -np.inf
     p = np.exp(logits / temperature - (logits / temperature).max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
+    if min_p > 0:
+        p = np.where(p >= min_p * p.max(-1, keepdims=True), p, 0)
+        p /= p.sum(-1, keepdims=True)
     if top_p < 1:
         order = np.argsort(-p, axis=-1, kind="stable")
         sorted_p = np.take_along_axis(p, order, -1)

@@ -15,6 +15,8 @@ from ssd_jax.__main__ import main
     (["hi", "--model", "/no/such/model", "--mode", "ar"], "not found"),
     (["hi", "--model", "smollm2", "--repetition-penalty", "0"],
      "repetition_penalty=0.0 is invalid: give a finite value > 0"),
+    (["hi", "--model", "smollm2", "--min-p", "2"],
+     "min_p=2.0 is invalid: it must lie in [0, 1]"),
     (["hi", "--model", "smollm2", "--stop", ".", "--stop", ""],
      "stop=['.', ''] is invalid: give a non-empty string"),
 ])

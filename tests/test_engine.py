@@ -216,6 +216,9 @@ def test_bad_sampling_params():
         SamplingParams(temperature=-0.5)
     with pytest.raises(ValueError, match="top_p=0.0"):
         SamplingParams(top_p=0.0)
+    for bad in (-0.1, 1.5, True, "0.1"):
+        with pytest.raises(ValueError, match=f"min_p={bad!r} is invalid: it must lie in"):
+            SamplingParams(min_p=bad)
     with pytest.raises(ValueError, match="max_new_tokens=0"):
         SamplingParams(max_new_tokens=0)
     with pytest.raises(ValueError, match="temperature=inf is invalid"):

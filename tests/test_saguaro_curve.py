@@ -180,7 +180,7 @@ def test_worker_processes_calibrate_as_one_process_does(tiny_llama, tmp_path):
     from tests.conftest import save_noisy_draft, with_word_tokenizer
     target = with_word_tokenizer(tiny_llama[0], tmp_path / "target")
     save_noisy_draft(tiny_llama[1], tmp_path / "draft", scale=0.3)
-    sampled = SamplingParams(temperature=0.8, top_p=0.95, seed=0)
+    sampled = SamplingParams(temperature=0.8, top_p=0.95, min_p=0.1, seed=0)
     curves = []
     for driver in ("single", "processes"):
         with LLM(str(target), draft=str(tmp_path / "draft"), cache_dir=tmp_path / driver,

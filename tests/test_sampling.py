@@ -15,9 +15,10 @@ def ranking(probs):
     return sorted(range(len(probs)), key=lambda i: (-probs[i], i))
 
 
-def np_process(logits, temperature, top_k, top_p):
-    """Brute force in float64: softmax, keep the first top_k ranks, then the smallest prefix of
-    ranks whose mass reaches top_p (tried size by size), renormalise."""
+def np_process(logits, temperature, top_k, top_p, min_p=0.0):
+    """Brute force in float64: softmax, drop the tokens below min_p times the top one's, keep
+    the first top_k ranks, then the smallest prefix of ranks whose mass reaches top_p (tried
+    size by size), renormalise."""
     logits = np.asarray(logits, np.float64)
     V = len(logits)
     if temperature == 0:
@@ -25,6 +26,7 @@ def np_process(logits, temperature, top_k, top_p):
     z = logits / temperature
     p = np.exp(z - z.max())
     p /= p.sum()
+    p = np.where(p >= min_p * p.max(), p, 0.0)
     kept = ranking(p)[: top_k if 0 < top_k <= V else V]
     kept = [i for i in kept if p[i] > 0]
     mass = p[kept].sum()
@@ -57,6 +59,34 @@ CASES = [
     ([0.3, -np.inf, 1.1, 0.9, -np.inf], 1.3, 0, 0.95),    # masked logits
     ([0.3, -np.inf, 1.1, 0.9, -np.inf], 1.0, 4, 1.0),     # top_k beyond the finite tokens
 ]
+
+
+# (logits, temperature, top_k, top_p, min_p)
+MIN_P_CASES = [
+    (LOG([0.5, 0.25, 0.125, 0.0625, 0.0625]), 1.0, 0, 1.0, 0.24),  # floor 0.12: 3 kept
+    (LOG([0.5, 0.25, 0.125, 0.0625, 0.0625]), 1.0, 0, 1.0, 0.26),  # floor 0.13: 2 kept
+    (LOG([0.5, 0.25, 0.125, 0.0625, 0.0625]), 1.0, 0, 1.0, 1.0),   # the top token alone
+    (LOG([0.5, 0.25, 0.125, 0.0625, 0.0625]), 0.5, 0, 1.0, 0.2),   # after temperature: 2 kept
+    (LOG([0.5, 0.25, 0.125, 0.0625, 0.0625]), 1.0, 0, 0.6, 0.2),   # then top-p on what is left
+    (LOG([0.5, 0.25, 0.125, 0.0625, 0.0625]), 1.0, 2, 1.0, 0.2),   # then top-k
+    (LOG([0.5, 0.25, 0.125, 0.0625, 0.0625]), 0.0, 0, 1.0, 0.9),   # greedy ignores it
+    (LOG([0.5, 0.25, 0.125, 0.0625, 0.0625]), 1.0, 0, 1.0, 0.0),   # off
+]
+
+
+def test_min_p_matches_bruteforce_and_leaves_other_rows_alone():
+    logits, t, k, p, m = zip(*MIN_P_CASES)
+    got = jax.jit(sampling.process_probs)(
+        jnp.asarray(np.array(logits), jnp.float32), jnp.asarray(t, jnp.float32),
+        jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32), jnp.asarray(m, jnp.float32))
+    np.testing.assert_allclose(got, np.stack([np_process(*c) for c in MIN_P_CASES]), atol=2e-6)
+    np.testing.assert_array_equal(np.asarray(got[0]) > 0, [1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(np.asarray(got[1]) > 0, [1, 1, 0, 0, 0])
+    np.testing.assert_array_equal(np.asarray(got[3]) > 0, [1, 1, 0, 0, 0])
+    np.testing.assert_array_equal(np.asarray(got[4]) > 0, [1, 1, 0, 0, 0])  # 0.5/0.875 < 0.6
+    # min_p = 0 is the function without it, bit for bit.
+    off = sampling.process_probs(*_batch([c[:4] for c in MIN_P_CASES]))
+    np.testing.assert_array_equal(got[-1], off[-1])
 
 
 def _batch(cases):

@@ -76,14 +76,15 @@ def vocab6(tmp_path_factory):
     return load(tp)[0], load(dp)[0], t
 
 
-def _sd_sample_counts(target, draft, prompt, temperature, top_p, n_samples, bias=()):
+def _sd_sample_counts(target, draft, prompt, temperature, top_p, n_samples, bias=(),
+                      min_p=0.0):
     llm = LLM(target, draft=draft, spec=SpecConfig(k=2), engine=EngineConfig(
         max_batch=64, max_seq_len=64, prefill_bucket=8, sync_every=4))
     counts = {}
     for start in range(0, n_samples, 64):
         outs = llm.generate([prompt] * 64, [SamplingParams(
             temperature=temperature, top_p=top_p, max_new_tokens=N_OUT, seed=start + i,
-            ignore_eos=True, logit_bias=bias) for i in range(64)], mode="sd")
+            ignore_eos=True, logit_bias=bias, min_p=min_p) for i in range(64)], mode="sd")
         for o in outs:
             key = tuple(o.token_ids[:N_OUT])
             counts[key] = counts.get(key, 0) + 1
@@ -105,6 +106,15 @@ def test_sampled_sd_matches_target_distribution(vocab6, temperature, top_p):
     probs = exact_sequence_probs(hf_target, prompt, temperature, top_p, N_OUT)
     counts = _sd_sample_counts(target, draft, prompt, temperature, top_p, 3200)
     assert chi2_pvalue(counts, probs) > 1e-3
+
+
+def test_sampled_sd_with_min_p(vocab6):
+    target, draft, hf_target = vocab6
+    probs = exact_sequence_probs(hf_target, [1, 2, 3], 0.8, 0.95, N_OUT, min_p=0.2)
+    counts = _sd_sample_counts(target, draft, [1, 2, 3], 0.8, 0.95, 3200, min_p=0.2)
+    assert chi2_pvalue(counts, probs) > 1e-3
+    assert chi2_pvalue(counts, exact_sequence_probs(hf_target, [1, 2, 3], 0.8, 0.95,
+                                                    N_OUT)) < 1e-3
 
 
 def test_distribution_test_has_teeth(vocab6, monkeypatch):

@@ -551,8 +551,9 @@ def test_protocol_refuses_what_it_does_not_support():
     enc = lambda p, chat: [1, 2, 3]  # noqa: E731
     job, = parse("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
                           "stop": ["\n\n", "END"], "max_completion_tokens": 5, "top_k": 3,
-                          "seed": 7}, model_name="m", encode=enc)
+                          "seed": 7, "min_p": 0.05}, model_name="m", encode=enc)
     assert job.params.stop == ("\n\n", "END") and job.params.max_new_tokens == 5
+    assert job.params.min_p == 0.05
     # Completions' suffix: each text prompt is a fill-in-the-middle prefix.
     fim = lambda prefix, suffix: [7, len(prefix), 8, len(suffix), 9]  # noqa: E731
     jobs = parse("completion", {"model": "m", "prompt": ["ab", "abc"], "suffix": "xyz"},
@@ -588,7 +589,7 @@ def test_protocol_refuses_what_it_does_not_support():
             {"type": "image_url", "image_url": {"url": "x"}}]}]}, model_name="m", encode=enc)
     assert e.value.param == "messages"
     for bad, field in [({"top_p": 0}, "top_p"), ({"top_k": 2**40}, "top_k"), ({"n": 0}, "n"),
-                       ({"n": 1.5}, "n")]:
+                       ({"n": 1.5}, "n"), ({"min_p": 1.5}, "min_p"), ({"min_p": "x"}, "min_p")]:
         with pytest.raises(APIError) as e:
             parse("completion", {"model": "m", "prompt": "x", **bad}, model_name="m",
                   encode=enc)

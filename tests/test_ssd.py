@@ -136,6 +136,17 @@ def test_sampled_ssd_with_top_p(vocab6):
     assert chi2_pvalue(counts, probs) > 1e-3
 
 
+def test_sampled_ssd_with_min_p(vocab6):
+    """min_p on both sides (the target's p, the tree's and backup's q): the output follows the
+    min-p target, and the same counts reject the law without min_p (the setting bites)."""
+    target, draft, hf_target = vocab6
+    counts, _ = _ssd_counts(target, draft, SpecConfig(k=2, c=0.5, budget=4), 3200, min_p=0.3)
+    assert chi2_pvalue(counts, exact_sequence_probs(hf_target, [1, 2, 3], 1.0, 1.0, N_OUT,
+                                                    min_p=0.3)) > 1e-3
+    assert chi2_pvalue(counts, exact_sequence_probs(hf_target, [1, 2, 3], 1.0, 1.0,
+                                                    N_OUT)) < 1e-3
+
+
 def test_sampled_ssd_with_logit_bias(vocab6):
     """The target's logits biased (token 1 favoured, 4 banned); the draft's tree, forks and
     backup propose without the bias, and the output still follows the biased target."""
@@ -194,7 +205,7 @@ def _draft_state(runner, prompt, last, spec, fan, temperature):
     req = Requests(RowSampling(jnp.full(B, temperature), jnp.zeros(B, jnp.int32), jnp.ones(B),
                                jax.vmap(jax.random.key)(jnp.arange(B, dtype=jnp.uint32)),
                                jnp.zeros((B, 1), jnp.int32), jnp.zeros((B, 1)), jnp.zeros(B),
-                               jnp.zeros(B), jnp.ones(B)),
+                               jnp.zeros(B), jnp.ones(B), jnp.zeros(B)),
                    jnp.full((B, 1), -1, jnp.int32), jnp.full((B,), 100, jnp.int32),
                    jnp.zeros((B,), jnp.int32))
     return ds, req

@@ -96,7 +96,8 @@ def make_batch(ids: list[list[int]], params: list[SamplingParams], stops: list[l
         bias_ids=jnp.asarray(bias_ids), bias=jnp.asarray(bias),
         presence=jnp.asarray([p.presence_penalty for p in params], jnp.float32),
         frequency=jnp.asarray([p.frequency_penalty for p in params], jnp.float32),
-        repetition=jnp.asarray([p.repetition_penalty for p in params], jnp.float32))
+        repetition=jnp.asarray([p.repetition_penalty for p in params], jnp.float32),
+        min_p=jnp.asarray([p.min_p for p in params], jnp.float32))
     req = Requests(sampling, jnp.asarray(stop_ids),
                    jnp.asarray([p.max_new_tokens for p in params], jnp.int32),
                    jnp.asarray([p.min_tokens for p in params], jnp.int32))

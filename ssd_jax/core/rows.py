@@ -35,6 +35,7 @@ class RowSampling(NamedTuple):
     presence: Float[Array, " B"]
     frequency: Float[Array, " B"]
     repetition: Float[Array, " B"]
+    min_p: Float[Array, " B"]  # 0: off (sampling.process_probs)
 
 
 class Requests(NamedTuple):

@@ -40,7 +40,7 @@ def _sample(logits: Float[Array, "B V"], req: Requests, positions: Int[Array, " 
     """Draw answer token `number` (1-based) of each row from rows.target_logits."""
     s = req.sampling
     return next_token(target_logits(logits[:, None], req, number, seen)[:, 0], s.temperature,
-                      s.top_k, s.top_p, row_keys(s, SAMPLE_STREAM, positions))
+                      s.top_k, s.top_p, row_keys(s, SAMPLE_STREAM, positions), s.min_p)
 
 
 @partial(jax.jit, static_argnames=("graphdef",))

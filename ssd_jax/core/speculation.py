@@ -59,7 +59,7 @@ def propose(logits: Float[Array, "B N Vd"], req: Requests, positions: Int[Array,
         return vocab.target_ids(jnp.argmax(logits, -1).astype(jnp.int32)), None
     B, N, V = logits.shape
     s = req.sampling
-    q = process_probs(logits, s.temperature, s.top_k, s.top_p)
+    q = process_probs(logits, s.temperature, s.top_k, s.top_p, s.min_p)
     if saguaro is not None:
         num_top, sg = saguaro
         q = saguaro_rescale(q, num_top, sg.c, sg.fmax)

@@ -51,7 +51,7 @@ def verify_step(graphdef, params, state: TargetState, spec: Speculation, req: Re
     if greedy_only:
         n, t = verify_greedy(biased, spec.tokens)
     else:
-        p = process_probs(biased, s.temperature, s.top_k, s.top_p)
+        p = process_probs(biased, s.temperature, s.top_k, s.top_p, s.min_p)
         n, t = verify(p, spec.tokens, spec.q, spec.point_mass, s.temperature == 0,
                       row_keys(s, VERIFY_STREAM, rows.lengths))
     new_rows, out = advance(rows, spec.tokens, n, t, req)

@@ -122,11 +122,11 @@ class WorkerPool:
                          {int(t): s for t, s in draft.items()})
 
     def calibration_probs(self, prompt: list[int], n: int, temperature: float, top_k: int,
-                          top_p: float):
+                          top_p: float, min_p: float = 0.0):
         """saguaro_curve's calibration: the target worker samples `n` tokens after `prompt`
         and gives its probabilities for them, then the draft worker its own for the same."""
         self.start()
-        kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, last=n)
+        kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, last=n, min_p=min_p)
         try:
             self.conns["target"].send(("probs", dict(tokens=prompt, **kw)))
             more, p = self._recv("target")[1]

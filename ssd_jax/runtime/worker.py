@@ -126,16 +126,17 @@ class _Server:
         runner = self.target if self.role == "target" else self.draft
         return time_scoring(runner, rows, tokens)
 
-    def probs(self, tokens, temperature: float, top_k: int, top_p: float, last: int | None):
+    def probs(self, tokens, temperature: float, top_k: int, top_p: float, last: int | None,
+              min_p: float = 0.0):
         """saguaro_curve's calibration. The target: sample `last` tokens after `tokens`, return
         them and its probabilities for them; the draft: its probabilities for the last `last`
         tokens of `tokens`."""
         from ssd_jax.saguaro_curve import target_calibration, teacher_forced_probs
         if self.role == "target":
             return target_calibration(self.target, tokens, temperature, top_k, top_p, last,
-                                      self.replicated)
+                                      self.replicated, min_p)
         return teacher_forced_probs(self.draft, tokens, temperature, top_k, top_p, self.vocab,
-                                    last=last)
+                                    last=last, min_p=min_p)
 
     def run(self, req: dict):
         """One request: this side's loop of the mode, over the same core functions as the

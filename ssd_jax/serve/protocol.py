@@ -64,8 +64,8 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-          "ignore_eos", "stop_token_ids", "min_tokens",
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+          "stream", "ignore_eos", "stop_token_ids", "min_tokens",
           "stream_options", "n", "user", "metadata", "logprobs", "presence_penalty",
           "frequency_penalty", "repetition_penalty", "logit_bias", "include_stop_str_in_output"}
 FIELDS = {"completion": COMMON | {"prompt", "echo", "best_of", "suffix"},
@@ -197,6 +197,7 @@ def parse(kind: str, body, *, model_name: str, encode, infill=None) -> list[Job]
             temperature=_number(body, "temperature", float, 1.0, 0.0, 2.0),
             top_p=_number(body, "top_p", float, 1.0, 0.0, 1.0),
             top_k=_number(body, "top_k", int, 0, 0),
+            min_p=_number(body, "min_p", float, 0.0, 0.0, 1.0),
             # Without max_tokens a placeholder (Server.check_fits sets the context left).
             max_new_tokens=max_tokens or max(1, min_tokens),
             seed=None if seed is None else seed % 2**32, min_tokens=min_tokens,
@@ -209,8 +210,8 @@ def parse(kind: str, body, *, model_name: str, encode, infill=None) -> list[Job]
             include_stop_str_in_output=flag(body, "include_stop_str_in_output"))
     except ValueError as e:
         msg = str(e).splitlines()[0]
-        raise APIError(400, msg, next((f for f in ("top_k", "top_p", "temperature", "min_tokens",
-                                                   "repetition_penalty")
+        raise APIError(400, msg, next((f for f in ("top_k", "top_p", "min_p", "temperature",
+                                                   "min_tokens", "repetition_penalty")
                                        if msg.startswith(f + "=")), None))
     lp, n = _logprobs(kind, body), _number(body, "n", int, 1, 1)
     return [Job(kind, model, p, params, stream, bool(stream_options.get("include_usage")),
