@@ -16,7 +16,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, Shaped
 
 from ssd_jax.config import ModelConfig
 from ssd_jax.models.transformer import KVCache, Transformer
@@ -74,6 +74,13 @@ class VocabMap:
     def target_probs(self, draft_probs: Float[Array, "*S Vd"]) -> Float[Array, "*S Vt"]:
         """The same distribution over the target vocabulary (zero outside the draft's)."""
         return to_target_vocab(draft_probs, jnp.asarray(self.to_draft), self.oov, 0.0)
+
+    def draft_columns(self, per_target: Shaped[Array, "B Vt"]) -> Shaped[Array, "B Vd"]:
+        """Per-token values over the target vocabulary (the penalties' counts) read at the
+        draft's logit columns; zero at the OOV column."""
+        cols = jnp.asarray(self.to_target)
+        return jnp.where(cols >= 0, per_target[:, jnp.maximum(cols, 0)],
+                         jnp.zeros((), per_target.dtype))
 
     def proposable(self, draft_logits: Float[Array, "*S Vd"]) -> Float[Array, "*S Vd"]:
         """The draft's own logits with the OOV slot masked (it names no target token).
@@ -140,6 +147,9 @@ class SameVocab:
 
     def target_probs(self, draft_probs: Float[Array, "*S V"]) -> Float[Array, "*S V"]:
         return draft_probs
+
+    def draft_columns(self, per_target: Shaped[Array, "B V"]) -> Shaped[Array, "B V"]:
+        return per_target
 
     def proposable(self, draft_logits: Float[Array, "*S V"]) -> Float[Array, "*S V"]:
         return draft_logits

@@ -419,3 +419,23 @@ def test_continuous_batch_smoke(tmp_path, capsys):
     assert got["budgets"] == [2, 6, 4] and 3 <= got["tokens"] <= 12
     assert set(got["rows"]) == {"continuous", "consecutive"} and got["speedup"] > 0
     assert "| continuous |" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ penalties and acceptance
+def test_penalty_acceptance_flags():
+    from bench.penalty_acceptance import main as penalty
+    for argv in (["--k", "0"], ["--pair", "nope"]):
+        with pytest.raises(SystemExit) as e:
+            penalty(argv)
+        assert e.value.code == 2
+
+
+@pytest.mark.slow  # ~40 s: SmolLM2 and its draft, three SD runs
+def test_penalty_acceptance_smoke(tmp_path):
+    from bench.penalty_acceptance import main as penalty
+    out = tmp_path / "p.json"
+    assert penalty(["--k", "2", "--max-tokens", "8", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["penalty"] for r in rows] == ["none", "repetition 1.1",
+                                            "presence + frequency 0.5"]
+    assert all(1.0 <= r["tokens_per_round"] <= 3.0 for r in rows)

@@ -89,6 +89,30 @@ def test_greedy_penalties_equal_a_transformers_loop(tiny_llama, pair, mode):
     assert out[1].token_ids == _greedy_loop(hf, other, n, 0.0, 0.0, 1.0)
 
 
+def test_sd_drafts_with_the_targets_penalties(tiny_llama, pair):
+    """SD's draft proposes from logits penalised as the target's are at each position
+    (speculation.draft_decode): with the target as its own draft every draft is accepted,
+    penalties and all, and the answer is still the transformers loop's."""
+    hf = tiny_llama[1]
+    prompt, n = list(range(20, 39)), 16
+    llm = LLM(pair[0], draft=pair[0], spec=SpecConfig(k=3),
+              engine=EngineConfig(max_batch=4, max_seq_len=128, prefill_bucket=16))
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True,
+                                                **PENALTIES), mode="sd")[0]
+    assert out.token_ids == _greedy_loop(hf, prompt, n, *PEN)
+    assert out.metrics.acceptance == 1.0
+
+
+def test_penalty_counts_in_the_drafts_columns():
+    import jax.numpy as jnp
+    from ssd_jax.draft_vocab import SameVocab, VocabMap
+    counts = jnp.asarray([[0, 3, 1, 0, 2]])
+    vm = VocabMap.from_target_ids([4, 1, 2], 5)  # draft columns: 4, 1, 2, then OOV
+    assert vm.draft_columns(counts).tolist() == [[2, 3, 1, 0]]
+    assert vm.draft_columns(counts > 0).tolist() == [[True, True, True, False]]
+    assert SameVocab(5).draft_columns(counts) is counts
+
+
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
 def test_live_rows_with_penalties_equal_offline(tiny_llama, pair, mode):
     """A live batch always carries the counts: penalised and plain requests joining mid-batch

@@ -64,8 +64,9 @@ class RowState(NamedTuple):
     position `lengths`, not yet in any cache. generated: tokens emitted so far (r included).
     done: a stop token was emitted or the budget reached; the row's length is frozen.
     seen: the target's token counts for the penalties, None in a batch where no row asked for
-    one (its programs then compute nothing for them) and always on the draft side, which
-    proposes without penalties (verification against the penalised target stays exact).
+    one (its programs then compute nothing for them) and always on SSD's draft side, which
+    proposes without penalties (verification against the penalised target stays exact); SD's
+    drafting reads the target's (speculation.draft_decode).
     """
 
     prev: Int[Array, " B"]

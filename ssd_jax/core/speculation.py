@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ssd_jax.core.rows import DRAFT_STREAM, Requests, RowSampling, RowState, row_keys
+from ssd_jax.core.rows import DRAFT_STREAM, Requests, RowSampling, RowState, Seen, row_keys
 from ssd_jax.models.attention import causal_mask
 from ssd_jax.models.transformer import KVCache, commit
-from ssd_jax.sampling import process_probs, sample, saguaro_rescale
+from ssd_jax.sampling import penalize, process_probs, sample, saguaro_rescale
 
 
 class Speculation(NamedTuple):
@@ -71,26 +71,38 @@ def propose(logits: Float[Array, "B N Vd"], req: Requests, positions: Int[Array,
 
 
 def draft_decode(model, cfg, tokens: Int[Array, "B T"], start: Int[Array, " B"],
-                 cache: KVCache, req: Requests, saguaro: Saguaro | None = None):
+                 cache: KVCache, req: Requests, saguaro: Saguaro | None = None,
+                 seen: Seen | None = None):
     """K = cfg.k draft tokens after `tokens` (fed at start..start+T-1, the cache valid below
     `start`), each from the logits of the newest token; `cfg` is the draft's static
     draft.DraftConfig (vocab, k, greedy_only). The new K/V ride in the attention's `extra` block
     (T + K - 1 positions from `start`) and are returned, not written: SD commits them, SSD's
     backup keeps them for the next glue (draft.py). Returns (drafts [B, K], q [B, K, Vd] | None,
     new K/V, the logits each draft came from [B, K, Vd]); unused outputs cost nothing (XLA
-    drops them)."""
+    drops them).
+
+    `seen`: the rows' penalty counts (rows.Seen, target ids), given when the batch has
+    penalties: each draft is then proposed from logits penalised as the target's are at its
+    position (the committed tokens and the drafts before it counted), so the draft keeps
+    agreeing with a penalised target. Any proposal is exact (verification reads q, which is
+    drawn from these logits); this one is accepted more often."""
     vocab, k, greedy_only = cfg.vocab, cfg.k, cfg.greedy_only
     B, T = tokens.shape
     x, extra = tokens, None
     pos = start[:, None] + jnp.arange(T)
     toks, qs, step_logits = [], [], []
+    if seen is not None:
+        counts, in_prompt = vocab.draft_columns(seen.counts), vocab.draft_columns(seen.in_prompt)
     for step in range(k):
         mask = causal_mask(B, T) if step == 0 else jnp.ones((B, 1, T + step), bool)
         logits, kv = model(vocab.draft_ids(x), pos, cache, start, mask, extra=extra,
                            logit_index=None if step else jnp.full((B, 1), T - 1, jnp.int32))
         nxt = pos[:, -1:] + 1
-        x, q = propose(logits, req, nxt, vocab, greedy_only,
+        steered = logits if seen is None else _penalized(logits, counts, in_prompt, req)
+        x, q = propose(steered, req, nxt, vocab, greedy_only,
                        None if saguaro is None else (saguaro.fan[:, step], saguaro))
+        if seen is not None:
+            counts = counts.at[jnp.arange(B), vocab.out_ids(x[:, 0])].add(1)
         toks.append(x[:, 0])
         qs.append(None if q is None else q[:, 0])
         step_logits.append(logits[:, -1])
@@ -101,6 +113,18 @@ def draft_decode(model, cfg, tokens: Int[Array, "B T"], start: Int[Array, " B"],
             jnp.stack(step_logits, 1))
 
 
+def _penalized(logits: Float[Array, "B 1 Vd"], counts: Int[Array, "B Vd"],
+               in_prompt: Bool[Array, "B Vd"], req: Requests) -> Float[Array, "B 1 Vd"]:
+    """The draft's logits with the rows' penalties (sampling.penalize), skipped when no row
+    sets one (a live batch carries counts for requests that mostly do not)."""
+    s = req.sampling
+    on = (s.presence != 0) | (s.frequency != 0) | (s.repetition != 1)
+    return jax.lax.cond(
+        jnp.any(on), lambda x: penalize(x, counts[:, None], in_prompt, s.presence, s.frequency,
+                                        s.repetition),
+        lambda x: x.astype(jnp.float32), logits)
+
+
 @partial(jax.jit, static_argnames=("cfg",))
 def _sd_draft(cfg, params, rows: RowState, cache: KVCache, req: Requests
               ) -> tuple[Speculation, KVCache]:
@@ -108,7 +132,7 @@ def _sd_draft(cfg, params, rows: RowState, cache: KVCache, req: Requests
     # necessary after a full acceptance, where the last draft token s_K was never fed.
     tokens = jnp.stack([rows.prev, rows.last], axis=1)
     drafts, q, kv, _ = draft_decode(cfg.graphdef.merge(params), cfg, tokens, rows.lengths - 1,
-                                 cache, req)
+                                    cache, req, seen=rows.seen)
     no = jnp.zeros_like(rows.done)
     return Speculation(drafts, None if q is None else cfg.vocab.target_probs(q), no, ~no), kv
 
