@@ -89,18 +89,23 @@ def test_greedy_penalties_equal_a_transformers_loop(tiny_llama, pair, mode):
     assert out[1].token_ids == _greedy_loop(hf, other, n, 0.0, 0.0, 1.0)
 
 
-def test_sd_drafts_with_the_targets_penalties(tiny_llama, pair):
-    """SD's draft proposes from logits penalised as the target's are at each position
-    (speculation.draft_decode): with the target as its own draft every draft is accepted,
-    penalties and all, and the answer is still the transformers loop's."""
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_drafts_follow_the_targets_penalties(tiny_llama, pair, mode):
+    """The draft proposes from logits penalised as the target's are at each position
+    (speculation.steer: SD's drafting, SSD's glue, tree and backup): with the target as its
+    own draft every draft is accepted, penalties and all (without: 0.05 in SD), SSD's
+    speculations after the first hit, and the answer is still the transformers loop's."""
     hf = tiny_llama[1]
-    prompt, n = list(range(20, 39)), 16
-    llm = LLM(pair[0], draft=pair[0], spec=SpecConfig(k=3),
+    prompt, n = list(range(20, 39)), 24
+    llm = LLM(pair[0], draft=pair[0], spec=SpecConfig(k=3, budget=8),
               engine=EngineConfig(max_batch=4, max_seq_len=128, prefill_bucket=16))
     out = llm.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True,
-                                                **PENALTIES), mode="sd")[0]
+                                                **PENALTIES), mode=mode)[0]
     assert out.token_ids == _greedy_loop(hf, prompt, n, *PEN)
     assert out.metrics.acceptance == 1.0
+    if mode == "ssd":
+        st = out.metrics.ssd
+        assert st.hits == st.rounds - 1  # the first round's speculation is the backup's
 
 
 def test_penalty_counts_in_the_drafts_columns():

@@ -34,7 +34,8 @@ class NeuralBackup:
         def run(_):
             toks, q, kv, logits = draft_decode(model, cfg, rows.last[:, None], rows.lengths,
                                                ds.cache, req,
-                                               Saguaro(ds.fan.primary, cfg.c, cfg.fmax))
+                                               Saguaro(ds.fan.primary, cfg.c, cfg.fmax),
+                                               seen=rows.seen)
             cand = fork_candidates(cfg.vocab, logits, toks, cfg.fmax)
             return toks, q, GluePrefix(kv, cand, jnp.ones((B,), bool))
 

@@ -34,8 +34,8 @@ from jaxtyping import Array, Bool, Float, Int
 from ssd_jax.core.backups import NeuralBackup, append_tokens
 from ssd_jax.core.glue import NEG_INF, GluePrefix, fork_candidates, no_prefix, pick
 from ssd_jax.core.graph import Graph
-from ssd_jax.core.rows import Requests, RowState, advance, start_rows
-from ssd_jax.core.speculation import Outcome, Saguaro, Speculation, propose
+from ssd_jax.core.rows import Requests, RowState, advance, prompt_seen, start_rows
+from ssd_jax.core.speculation import Outcome, Saguaro, Speculation, propose, steer
 from ssd_jax.models.attention import causal_mask
 from ssd_jax.models.transformer import KVCache, commit
 
@@ -51,6 +51,9 @@ class DraftConfig:
     greedy_only: bool
     c: float = 1.0  # Saguaro's C
     backup: object = NeuralBackup()  # backups.NeuralBackup() | FastBackup()
+    # Some row may set a penalty (Batch.penalties): the draft's rows carry the token counts
+    # and its proposals and fork candidates follow the penalised target (speculation.steer).
+    penalties: bool = False
 
     @property
     def fmax(self) -> int:
@@ -134,12 +137,29 @@ def build_cache(cfg: DraftConfig, params, ds: DraftState, req: Requests
     B, K = spec.shape
     M, fmax = cfg.budget, cfg.fmax
     fan = jnp.where(ds.spec.point_mass[:, None], ds.fan.after_fast, ds.fan.primary)
+    seen = ds.rows.seen
+
+    def one_hot(tokens):  # target ids [B, *S] -> counts [B, *S, Vd] in the draft's columns
+        return jax.nn.one_hot(vocab.out_ids(tokens), vocab.draft_size, dtype=jnp.int32)
+
+    def glue_counts():
+        """[B, K+1, Vd]: the token counts at glue position j, the committed tokens (r
+        included) and s_1..s_j, as the target counts them there."""
+        cum = jnp.cumsum(one_hot(spec), axis=1)
+        return (vocab.draft_columns(seen.counts)[:, None]
+                + jnp.concatenate([jnp.zeros_like(cum[:, :1]), cum], axis=1))
+
+    def steered(logits, counts):
+        """The penalised target's view (speculation.steer) where the rows carry counts."""
+        return (logits if seen is None else
+                steer(logits, req, counts, vocab.draft_columns(seen.in_prompt)))
 
     def full_glue(_):
         # Fork candidates: exclude s_{j+1} at j < K, rank the rest by the draft's logits.
         tokens = jnp.concatenate([ds.rows.last[:, None], spec], axis=1)
         logits, kv = model(vocab.draft_ids(tokens), L[:, None] + jnp.arange(K + 1), ds.cache, L,
                            causal_mask(B, K + 1))
+        logits = steered(logits, glue_counts)
         return (jnp.concatenate([fork_candidates(vocab, logits[:, :K], spec, fmax),
                                  fork_candidates(vocab, logits[:, K:], None, fmax)], axis=1), kv)
 
@@ -148,6 +168,7 @@ def build_cache(cfg: DraftConfig, params, ds: DraftState, req: Requests
         pre = ds.glue
         logits, kv = model(vocab.draft_ids(spec[:, K - 1:]), (L + K)[:, None], ds.cache, L,
                            jnp.ones((B, 1, K + 1), bool), extra=pre.kv)
+        logits = steered(logits, lambda: glue_counts()[:, K:])
         kv = jax.tree.map(lambda a, b: jnp.concatenate([a.astype(b.dtype), b], axis=1),
                           pre.kv, kv)
         return (jnp.concatenate([pre.cand, fork_candidates(vocab, logits, None, fmax)], axis=1),
@@ -168,6 +189,13 @@ def build_cache(cfg: DraftConfig, params, ds: DraftState, req: Requests
     for step in range(K):
         logits, kv = model(vocab.draft_ids(x), pos, ds.cache, L, tree_mask(branch_j, K, step),
                            extra=extra)
+
+        def branch_counts(step=step, toks=tuple(toks)):  # [B, M, Vd]: the branch's own path
+            path = jnp.stack([fork_tok, *toks], axis=2)
+            at_fork = jnp.take_along_axis(glue_counts(), jnp.maximum(branch_j, 0)[..., None],
+                                          axis=1)
+            return at_fork + one_hot(path).sum(axis=2)
+        logits = steered(logits, branch_counts)
         x, q = propose(logits, req, pos + 1, vocab, cfg.greedy_only, (fan[:, step], saguaro))
         toks.append(x)
         qs.append(q)
@@ -245,7 +273,9 @@ def _first_state(cfg: DraftConfig, prompt: tuple[Int[Array, "B T"], Int[Array, "
                  first: Int[Array, " B"], req: Requests, fan: FanLists, cache: KVCache
                  ) -> DraftState:
     (tokens, prompt_len), (B, T) = prompt, prompt[0].shape
-    rows = start_rows(tokens, prompt_len, first, req)
+    seen = (prompt_seen(tokens, prompt_len, cfg.vocab.target_size) if cfg.penalties
+            else None)
+    rows = start_rows(tokens, prompt_len, first, req, seen)
     history = jnp.zeros((B, cache.seq_len), jnp.int32).at[:, :T].set(tokens)
     history = history.at[jnp.arange(B), rows.lengths].set(rows.last)
     q = None if cfg.greedy_only else jnp.zeros((B, cfg.k, cfg.vocab.draft_size), jnp.float32)

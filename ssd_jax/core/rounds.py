@@ -127,7 +127,8 @@ class DraftSide:
         """The draft side of a run with settings `spec` (a resolved config.SpecConfig)."""
         backup = spec.backup_or_default
         cfg = DraftConfig(runner.graphdef, vocab, spec.k, spec.branches, batch.greedy_only,
-                          spec.c or 1.0, BACKUPS["neural" if backup == "auto" else backup])
+                          spec.c or 1.0, BACKUPS["neural" if backup == "auto" else backup],
+                          penalties=batch.penalties)
         return cls(runner, cfg, batch, runner.new_cache(batch.size, seq_len), place,
                    FanoutModel(spec.fanout, spec.k, spec.branches), auto_backup=backup == "auto")
 

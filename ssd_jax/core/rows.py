@@ -63,10 +63,10 @@ class RowState(NamedTuple):
     prev: the token at position lengths-1 (committed). last: the newest emitted token r, at
     position `lengths`, not yet in any cache. generated: tokens emitted so far (r included).
     done: a stop token was emitted or the budget reached; the row's length is frozen.
-    seen: the target's token counts for the penalties, None in a batch where no row asked for
-    one (its programs then compute nothing for them) and always on SSD's draft side, which
-    proposes without penalties (verification against the penalised target stays exact); SD's
-    drafting reads the target's (speculation.draft_decode).
+    seen: the token counts the penalties read, None in a batch where no row asked for one
+    (its programs then compute nothing for them). The target's are its law's; SD's drafting
+    reads them, and SSD's draft side keeps its own copy (advanced alike), so the draft
+    proposes as the penalised target would (speculation.steer; any proposal is exact).
     """
 
     prev: Int[Array, " B"]

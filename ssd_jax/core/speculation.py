@@ -10,7 +10,7 @@ draft_vocab.VocabMap or SameVocab) and named by target ids.
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -78,8 +78,8 @@ def draft_decode(model, cfg, tokens: Int[Array, "B T"], start: Int[Array, " B"],
     draft.DraftConfig (vocab, k, greedy_only). The new K/V ride in the attention's `extra` block
     (T + K - 1 positions from `start`) and are returned, not written: SD commits them, SSD's
     backup keeps them for the next glue (draft.py). Returns (drafts [B, K], q [B, K, Vd] | None,
-    new K/V, the logits each draft came from [B, K, Vd]); unused outputs cost nothing (XLA
-    drops them).
+    new K/V, the logits each draft came from [B, K, Vd], penalised where `seen` is given);
+    unused outputs cost nothing (XLA drops them).
 
     `seen`: the rows' penalty counts (rows.Seen, target ids), given when the batch has
     penalties: each draft is then proposed from logits penalised as the target's are at its
@@ -98,14 +98,15 @@ def draft_decode(model, cfg, tokens: Int[Array, "B T"], start: Int[Array, " B"],
         logits, kv = model(vocab.draft_ids(x), pos, cache, start, mask, extra=extra,
                            logit_index=None if step else jnp.full((B, 1), T - 1, jnp.int32))
         nxt = pos[:, -1:] + 1
-        steered = logits if seen is None else _penalized(logits, counts, in_prompt, req)
+        steered = logits if seen is None else steer(logits, req, lambda: counts[:, None],
+                                                    in_prompt)
         x, q = propose(steered, req, nxt, vocab, greedy_only,
                        None if saguaro is None else (saguaro.fan[:, step], saguaro))
         if seen is not None:
             counts = counts.at[jnp.arange(B), vocab.out_ids(x[:, 0])].add(1)
         toks.append(x[:, 0])
         qs.append(None if q is None else q[:, 0])
-        step_logits.append(logits[:, -1])
+        step_logits.append(steered[:, -1])
         extra = kv if extra is None else jax.tree.map(
             lambda a, b: jnp.concatenate([a, b], axis=1), extra, kv)
         pos = nxt
@@ -113,14 +114,18 @@ def draft_decode(model, cfg, tokens: Int[Array, "B T"], start: Int[Array, " B"],
             jnp.stack(step_logits, 1))
 
 
-def _penalized(logits: Float[Array, "B 1 Vd"], counts: Int[Array, "B Vd"],
-               in_prompt: Bool[Array, "B Vd"], req: Requests) -> Float[Array, "B 1 Vd"]:
-    """The draft's logits with the rows' penalties (sampling.penalize), skipped when no row
-    sets one (a live batch carries counts for requests that mostly do not)."""
+def steer(logits: Float[Array, "B S Vd"], req: Requests,
+          counts: Callable[[], Int[Array, "B S Vd"]], in_prompt: Bool[Array, "B Vd"]
+          ) -> Float[Array, "B S Vd"]:
+    """The draft's logits penalised as the target's are (sampling.penalize) at the same
+    positions, given the token counts there (`counts()`, in the draft's columns), so that its
+    proposals and fork candidates follow a penalised target. Skipped, counts and all, when no
+    row sets a penalty (a live batch carries counts for requests that mostly do not). Exact
+    either way: verification reads q, drawn from what this returns."""
     s = req.sampling
     on = (s.presence != 0) | (s.frequency != 0) | (s.repetition != 1)
     return jax.lax.cond(
-        jnp.any(on), lambda x: penalize(x, counts[:, None], in_prompt, s.presence, s.frequency,
+        jnp.any(on), lambda x: penalize(x, counts(), in_prompt, s.presence, s.frequency,
                                         s.repetition),
         lambda x: x.astype(jnp.float32), logits)
 
