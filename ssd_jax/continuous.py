@@ -21,7 +21,7 @@ from ssd_jax.config import MAX_LOGPROBS, SamplingParams
 from ssd_jax.core.live import LiveBatch
 from ssd_jax.core.logprobs import HostLogprobs, with_logprobs
 from ssd_jax.core.metrics import RunMetrics, SSDStats
-from ssd_jax.core.rounds import Chunk, PromptLogprobs
+from ssd_jax.core.rounds import Chunk, with_prompt_logprobs
 
 
 def decode(live: LiveBatch, ids: list[list[int]], params: list[SamplingParams],
@@ -92,16 +92,10 @@ def _leave(live: LiveBatch, active: dict[int, int], ended: Callable[[int], bool]
 
 
 def _first(token: int, lp: HostLogprobs | None, prompt_len: int, prompt_lp: bool) -> list:
-    """A joining row's first chunk entry: its first token, with its log-probabilities when
-    asked, and with `prompt_lp` its PromptLogprobs first (the prefill's lp is then [1, T],
-    position t scoring prompt token t + 1 and T - 1 the first token), as rounds._first."""
+    """A joining row's first chunk entries: its first token, with its log-probabilities when
+    asked (the prefill's lp, [1, 1]), and with `prompt_lp` its PromptLogprobs first ([1, T])."""
     if lp is None:
         return [token]
-    chosen, top_ids, top = lp
-
-    def at(t: int) -> tuple[float, dict]:
-        return float(chosen[0, t]), dict(zip(top_ids[0, t].tolist(), top[0, t].tolist()))
-    if not prompt_lp:
-        return [(token, *at(0))]
-    return [PromptLogprobs([at(t) for t in range(prompt_len - 1)]),
-            (token, *at(prompt_len - 1))]
+    if prompt_lp:
+        return with_prompt_logprobs(token, lp, 0, prompt_len)
+    return with_logprobs(np.asarray([[token]]), lp, 1)[0]

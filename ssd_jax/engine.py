@@ -698,9 +698,7 @@ class Engine:
         sampled = next((p for p in params if p.temperature > 0), None)
         spec, choice = self._spec_for(spec, mode, rows, sampled)
         need = check_fits(ids, params, mode, *fits, k=spec.k or 0)
-        # Speculative modes write K+1 slots past the committed length each round.
-        slack = spec.k + 2 if mode != "ar" else 1
-        return spec, choice, (rows, prompt, round_up(max(need, prompt) + slack, 256))
+        return spec, choice, (rows, prompt, _cache_len(need, prompt, mode, spec.k))
 
     def shapes(self, ids: list[list[int]], params: list[SamplingParams], mode: str,
                spec: SpecConfig) -> Shapes:
@@ -716,6 +714,21 @@ class Engine:
         self.last_choice = None
         spec, choice, (rows, prompt, seq_len) = self._plan(ids, params, mode, spec)
         self.last_choice = choice
+        ran, settings, predicted = self._decide(mode, spec, choice, rows, params)
+        chunks = self._run_mode(ids, params, stops, ran, mode, seq_len, spec, settings,
+                                sync_phases)
+        try:
+            for chunk, metrics in chunks:
+                self._count(mode, ran, predicted, chunk)
+                yield chunk, metrics
+        finally:
+            chunks.close()  # a caller that stops reading stops the run (a pod finishes it)
+
+    def _decide(self, mode: str, spec: SpecConfig, choice: autotune.Choice | None, rows: int,
+                params: list[SamplingParams]) -> tuple[str, dict | None, dict | None]:
+        """The mode a run decodes with (AR in place of `mode` where SpecConfig.ar_fallback
+        says so), its metrics.settings, and the speed model's prediction it decided on (None:
+        nothing to decide)."""
         settings = self._settings(spec, mode, choice, rows,
                                   all(p.temperature == 0 for p in params))
         predicted = self._fallback_prediction(mode, spec, choice, rows, params)
@@ -726,20 +739,16 @@ class Engine:
             # AR where the asked mode's target runs (its driver, devices and cost entry);
             # the settings say what was chosen and why it did not run.
             settings.update(ar_fallback=True)
-            ran = "ar"
-        else:
-            ran = mode
-            if predicted is not None:  # a speculative run: the fallback's count starts again
-                count[:] = [0, 0]
-        chunks = self._run_mode(ids, params, stops, ran, mode, seq_len, spec, settings,
-                                sync_phases)
-        try:
-            for chunk, metrics in chunks:
-                if predicted is not None:
-                    count[0 if ran != mode else 1] += tokens_in(chunk)
-                yield chunk, metrics
-        finally:
-            chunks.close()  # a caller that stops reading stops the run (a pod finishes it)
+            return "ar", settings, predicted
+        if predicted is not None:  # a speculative run: the fallback's count starts again
+            count[:] = [0, 0]
+        return mode, settings, predicted
+
+    def _count(self, mode: str, ran: str, predicted: dict | None, chunk) -> None:
+        """A run's tokens, for ar_fallback's probes: decoded with AR in place of `mode`, or
+        speculated."""
+        if predicted is not None:
+            self._fallback[mode][0 if ran != mode else 1] += tokens_in(chunk)
 
     def _fallback_prediction(self, mode: str, spec: SpecConfig,
                              choice: autotune.Choice | None, rows: int,
@@ -847,6 +856,12 @@ class Engine:
                 and all(len(s) <= STOP_WIDTH for s in stops)
                 and all(len(p.logit_bias) <= BIAS_WIDTH for p in params))
 
+    def live_shapes(self, ids: list[list[int]], params: list[SamplingParams], mode: str,
+                    spec: SpecConfig) -> Shapes:
+        """`shapes` of a continuous run (max_batch slots, the longest prompt's bucket, the
+        cache of the longest row)."""
+        return self._live_plan(ids, params, mode, spec)[2]
+
     def _live_plan(self, ids: list[list[int]], params: list[SamplingParams], mode: str,
                    spec: SpecConfig) -> tuple[SpecConfig, autotune.Choice | None, Shapes]:
         """_plan for a continuous run: max_batch slots, each prompt's own bucket (a row joins
@@ -860,8 +875,7 @@ class Engine:
         need = max(check_fits([t], [p], mode, *fits, k=spec.k or 0)
                    for t, p in zip(ids, params))
         prompt = round_up(max(len(t) for t in ids), self.config.prefill_bucket)
-        slack = spec.k + 2 if mode != "ar" else 1
-        return spec, choice, (rows, prompt, round_up(max(need, prompt) + slack, 256))
+        return spec, choice, (rows, prompt, _cache_len(need, prompt, mode, spec.k))
 
     def run_continuous(self, ids: list[list[int]], params: list[SamplingParams],
                        stops: list[list[int]], mode: str, spec: SpecConfig,
@@ -872,25 +886,14 @@ class Engine:
         self.last_choice = None
         spec, choice, (rows, _, seq_len) = self._live_plan(ids, params, mode, spec)
         self.last_choice = choice
-        greedy = all(p.temperature == 0 for p in params)
-        settings = self._settings(spec, mode, choice, rows, greedy)
-        predicted = self._fallback_prediction(mode, spec, choice, rows, params)
-        if predicted is not None:
-            settings.update(predicted=predicted)
-        count = self._fallback.setdefault(mode, [0, 0])
-        ran = mode
-        if self._falls_back(mode, predicted, count):
-            settings.update(ar_fallback=True)
-            ran = "ar"
-        elif predicted is not None:
-            count[:] = [0, 0]
-        live, _ = self.live(ran, rows, spec, seq_len=seq_len, greedy_only=greedy,
+        ran, settings, predicted = self._decide(mode, spec, choice, rows, params)
+        live, _ = self.live(ran, rows, spec, seq_len=seq_len,
+                            greedy_only=all(p.temperature == 0 for p in params),
                             penalties=any(p.penalized for p in params))
         metrics = RunMetrics(mode=ran, batch=len(ids), k=spec.k if ran != "ar" else 0,
                              settings=settings)
         for chunk in continuous.decode(live, ids, params, stops, ended, metrics):
-            if predicted is not None:
-                count[0 if ran != mode else 1] += tokens_in(chunk)
+            self._count(mode, ran, predicted, chunk)
             yield chunk, metrics
 
     def _decode_here(self, batch: Batch, mode: str, spec: SpecConfig, metrics: RunMetrics,
@@ -925,3 +928,9 @@ class Engine:
                                  seq_len, link.to_draft)
         return ssd_loop(target, draft, link, metrics, self.config.sync_every,
                         timed=metrics.sync_phases)
+
+
+def _cache_len(need: int, prompt: int, mode: str, k: int | None) -> int:
+    """A run's cache: the positions it needs, and the slack a speculative round writes past
+    the committed length (K+1 slots), in multiples of 256."""
+    return round_up(max(need, prompt) + (k + 2 if mode != "ar" else 1), 256)

@@ -378,7 +378,7 @@ class LLM:
         ids, params = self.prompts.prepare(prompts, sampling_params, chat, draw_seeds=False)
         size = self.engine.max_batch
         if self.core.continuous(mode, params, [self.prompts.stop_ids(p) for p in params]):
-            return self.core._live_plan(ids, params, mode, spec)[2]
+            return self.core.live_shapes(ids, params, mode, spec)
         return self.core.shapes(ids[:size], params[:size], mode, spec)
 
     @no_type_check

@@ -66,12 +66,20 @@ def _first(ts: TargetState, lp, b: Batch) -> Chunk:
     if not b.prompt_logprobs:
         return _emit([ts.rows.last[:, None]], b.n, None if lp is None else [lp])
     first, lens = np.asarray(ts.rows.last), np.asarray(b.prompt_len).tolist()
-    chosen, top_ids, top = (np.asarray(a) for a in lp)
+    lp = tuple(np.asarray(a) for a in lp)
+    return [with_prompt_logprobs(int(first[r]), lp, r, lens[r]) for r in range(b.n)]
 
-    def at(r: int, t: int) -> tuple[float, dict]:
+
+def with_prompt_logprobs(first: int, lp, r: int, prompt_len: int) -> list:
+    """Row r's first chunk entries from a prefill that scored its prompt (lp: host arrays
+    chosen [B, T], top_ids and top [B, T, N]; position t scores prompt token t + 1 and
+    prompt_len - 1 the first token): its PromptLogprobs, then (first, logprob, top)."""
+    chosen, top_ids, top = lp
+
+    def at(t: int) -> tuple[float, dict]:
         return float(chosen[r, t]), dict(zip(top_ids[r, t].tolist(), top[r, t].tolist()))
-    return [[PromptLogprobs([at(r, t) for t in range(lens[r] - 1)]),
-             (int(first[r]), *at(r, lens[r] - 1))] for r in range(b.n)]
+    return [PromptLogprobs([at(t) for t in range(prompt_len - 1)]),
+            (first, *at(prompt_len - 1))]
 
 
 def tokens_in(chunk: Chunk) -> int:
