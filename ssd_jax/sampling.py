@@ -65,9 +65,9 @@ def add_bias(logits: Float[Array, "B *S V"], ids: Int[Array, "B W"], bias: Float
              ) -> Float[Array, "B *S V"]:
     """Each row's logit bias (OpenAI's `logit_bias`: token id -> a value added to its logit)
     added at every middle position. Padding entries (id 0, bias 0) add exactly nothing, so
-    rows without a bias keep their logits bit for bit. Only the target's logits are biased:
-    its distribution is what the output follows; the draft's proposals may ignore the bias and
-    verification stays exact (it only costs acceptance on the biased tokens)."""
+    rows without a bias keep their logits bit for bit. The target's biased law is what the
+    output follows; the draft proposes from biased logits too (speculation.steer), which only
+    moves acceptance: verification stays exact whatever the draft proposes."""
     B, V = logits.shape[0], logits.shape[-1]
     dense = jnp.zeros((B, V), jnp.float32).at[jnp.arange(B)[:, None], ids].add(
         bias.astype(jnp.float32))

@@ -199,7 +199,7 @@ def test_greedy_with_logit_bias_equals_a_biased_transformers_loop(tiny_llama, ti
 
 def test_sampled_sd_with_min_tokens_follows_the_target(vocab6):
     """min_tokens=2 with stop id 2: the first two tokens are never 2 (the target's law with 2
-    masked there), the third may be, and the draft's proposals of 2 are all rejected."""
+    masked there), the third may be; the draft holds 2 back too (speculation.steer)."""
     target, draft, hf_target = vocab6
     llm = LLM(target, draft=draft, spec=SpecConfig(k=2), engine=EngineConfig(
         max_batch=64, max_seq_len=64, prefill_bucket=8, sync_every=4))
@@ -240,6 +240,63 @@ def test_greedy_min_tokens_equals_a_masked_transformers_loop(tiny_llama, tiny_ta
     out = llm.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True,
                                                 stop_token_ids=(stop,), min_tokens=5), mode=mode)
     assert out[0].token_ids == want
+
+
+def _biased_masked_loop(hf, prompt, n, bias, stop, hold) -> tuple[list[int], int]:
+    """Greedy decoding with `bias` added and `stop` masked for the first `hold` tokens,
+    transformers' forward step by step, ending at `stop`; and how many times from the second
+    token on the model's choice there, before the mask, was the stop (what an unsteered draft
+    proposes and verification rejects)."""
+    import torch
+    ids, wanted = list(prompt), 0
+    for j in range(1, n + 1):
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1].double()
+        for t, v in bias.items():
+            logits[t] += v
+        if stop is not None and j <= hold:
+            wanted += j > 1 and int(logits.argmax()) == stop
+            logits[stop] = -np.inf
+        ids.append(int(logits.argmax()))
+        if ids[-1] == stop:
+            break
+    return ids[len(prompt):], wanted
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+@pytest.mark.parametrize("what", ["logit_bias", "min_tokens"])
+def test_drafts_follow_the_targets_bias_and_min_tokens(tiny_llama, tiny_target, mode, what):
+    """The draft proposes from logits biased and masked as the target's are at each position
+    (speculation.steer: SD's drafting, SSD's glue, tree and backup): with the target as its
+    own draft every draft is accepted under a logit bias, or under a min_tokens hold on a
+    stop id the model wants, SSD's speculations after the first hit, and the answer is still
+    the transformers loop's. Without the steering the draft proposes the banned token or the
+    held-back stop, and they are rejected."""
+    import torch
+    hf = tiny_llama[1]
+    prompt, n, hold = PROMPTS[1], 20, 12
+    with torch.no_grad():
+        plain = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    plain = plain[0, len(prompt):].tolist()
+    if what == "logit_bias":
+        bias, stop = {plain[0]: -100.0, 17: 4.0}, None
+        want, _ = _biased_masked_loop(hf, prompt, n, bias, None, hold)
+    else:  # a stop id the held-back answer keeps wanting after its first token
+        bias = {}
+        stop, want = next((t, w) for t in dict.fromkeys(plain)
+                          for w, wanted in [_biased_masked_loop(hf, prompt, n, {}, t, hold)]
+                          if wanted > 1)
+        assert len(want) > hold
+    assert want != plain
+    llm = LLM(tiny_target, draft=tiny_target, spec=SpecConfig(k=3, budget=8), engine=ENGINE)
+    out = llm.generate([prompt], SamplingParams(
+        max_new_tokens=n, ignore_eos=True, logit_bias=bias,
+        stop_token_ids=() if stop is None else (stop,), min_tokens=hold), mode=mode)[0]
+    assert out.token_ids == want
+    assert out.metrics.acceptance == 1.0
+    if mode == "ssd":
+        st = out.metrics.ssd
+        assert st.hits == st.rounds - 1  # the first round's speculation is the backup's
 
 
 def test_bad_spec_errors(tiny_target, tiny_draft, tmp_path):

@@ -314,7 +314,7 @@ def test_backup_runs_only_when_a_live_row_misses(pair):
     # The backup: K draft tokens after r = t at the advanced length, from the committed cache.
     assert after.rows.lengths.tolist() == [10, 10]
     want, _, _, _ = draft_decode(runner.graphdef.merge(runner.params), cfg, t[:, None],
-                                 after.rows.lengths, ds.cache, req)
+                                 after.rows.lengths, ds.cache, req, after.rows.generated + 1)
     np.testing.assert_array_equal(toks[1], np.asarray(want[1]))
     assert toks[1].any()  # the skipped branch would give zeros: this test tells them apart
     _, toks, _ = run([False, True])

@@ -33,7 +33,7 @@ class NeuralBackup:
 
         def run(_):
             toks, q, kv, logits = draft_decode(model, cfg, rows.last[:, None], rows.lengths,
-                                               ds.cache, req,
+                                               ds.cache, req, rows.generated + 1,
                                                Saguaro(ds.fan.primary, cfg.c, cfg.fmax),
                                                seen=rows.seen)
             cand = fork_candidates(cfg.vocab, logits, toks, cfg.fmax)

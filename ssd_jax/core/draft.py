@@ -149,17 +149,21 @@ def build_cache(cfg: DraftConfig, params, ds: DraftState, req: Requests
         return (vocab.draft_columns(seen.counts)[:, None]
                 + jnp.concatenate([jnp.zeros_like(cum[:, :1]), cum], axis=1))
 
-    def steered(logits, counts):
-        """The penalised target's view (speculation.steer) where the rows carry counts."""
-        return (logits if seen is None else
-                steer(logits, req, counts, vocab.draft_columns(seen.in_prompt)))
+    def steered(logits, number, counts):
+        """The target's law at these positions (speculation.steer): `number` [B, S], the answer
+        token each would emit; the penalties' counts where the rows carry them."""
+        return steer(logits, req, vocab, number, None if seen is None else counts,
+                     None if seen is None else vocab.draft_columns(seen.in_prompt))
+
+    # Glue position j (r, s_1..s_K) predicts answer token generated + 1 + j.
+    glue_number = ds.rows.generated[:, None] + 1 + jnp.arange(K + 1)
 
     def full_glue(_):
         # Fork candidates: exclude s_{j+1} at j < K, rank the rest by the draft's logits.
         tokens = jnp.concatenate([ds.rows.last[:, None], spec], axis=1)
         logits, kv = model(vocab.draft_ids(tokens), L[:, None] + jnp.arange(K + 1), ds.cache, L,
                            causal_mask(B, K + 1))
-        logits = steered(logits, glue_counts)
+        logits = steered(logits, glue_number, glue_counts)
         return (jnp.concatenate([fork_candidates(vocab, logits[:, :K], spec, fmax),
                                  fork_candidates(vocab, logits[:, K:], None, fmax)], axis=1), kv)
 
@@ -168,7 +172,7 @@ def build_cache(cfg: DraftConfig, params, ds: DraftState, req: Requests
         pre = ds.glue
         logits, kv = model(vocab.draft_ids(spec[:, K - 1:]), (L + K)[:, None], ds.cache, L,
                            jnp.ones((B, 1, K + 1), bool), extra=pre.kv)
-        logits = steered(logits, lambda: glue_counts()[:, K:])
+        logits = steered(logits, glue_number[:, K:], lambda: glue_counts()[:, K:])
         kv = jax.tree.map(lambda a, b: jnp.concatenate([a.astype(b.dtype), b], axis=1),
                           pre.kv, kv)
         return (jnp.concatenate([pre.cand, fork_candidates(vocab, logits, None, fmax)], axis=1),
@@ -195,7 +199,9 @@ def build_cache(cfg: DraftConfig, params, ds: DraftState, req: Requests
             at_fork = jnp.take_along_axis(glue_counts(), jnp.maximum(branch_j, 0)[..., None],
                                           axis=1)
             return at_fork + one_hot(path).sum(axis=2)
-        logits = steered(logits, branch_counts)
+        # A branch forked at j holds answer token generated + 1 + j; step s predicts the
+        # token 1 + s after it.
+        logits = steered(logits, glue_number[:, :1] + branch_j + 1 + step, branch_counts)
         x, q = propose(logits, req, pos + 1, vocab, cfg.greedy_only, (fan[:, step], saguaro))
         toks.append(x)
         qs.append(q)

@@ -77,7 +77,7 @@ class RowState(NamedTuple):
     seen: Seen | None = None
 
 
-def _id_mask(ids: Int[Array, "B N"], real: Bool[Array, "B N"], vocab_size: int
+def id_mask(ids: Int[Array, "B N"], real: Bool[Array, "B N"], vocab_size: int
              ) -> Bool[Array, "B V"]:
     """Per row, which token ids occur among its real entries. A scatter-max, so padding
     entries (any id, real False) mark nothing."""
@@ -91,7 +91,7 @@ def prompt_seen(tokens: Int[Array, "B T"], prompt_len: Int[Array, " B"], vocab_s
     """The penalties' state before the first answer token: no counts, the prompts' tokens."""
     real = jnp.arange(tokens.shape[1]) < prompt_len[:, None]
     return Seen(jnp.zeros((tokens.shape[0], vocab_size), jnp.int32),
-                _id_mask(tokens, real, vocab_size))
+                id_mask(tokens, real, vocab_size))
 
 
 def _count(seen: Seen, tokens: Int[Array, "B S"]) -> Seen:
@@ -115,8 +115,9 @@ def target_logits(logits: Float[Array, "B S V"], req: Requests, first: Int[Array
     logit_bias, then its penalties given `seen` (position s counts the drafts before it,
     drafts[:, :s], as emitted: the law of position s is the one that holds once they are
     accepted), with the row's stop ids at -inf where position s would emit answer token
-    number first + s (1-based) <= min_tokens. Only the target's logits go through this: the
-    draft may propose anything, and verification against these stays exact."""
+    number first + s (1-based) <= min_tokens. The output follows these; the draft proposes
+    from logits moved the same way (speculation.steer), but may propose anything, and
+    verification against these stays exact."""
     s = req.sampling
     logits = add_bias(logits, s.bias_ids, s.bias)
     B, S, V = logits.shape
@@ -135,7 +136,7 @@ def target_logits(logits: Float[Array, "B S V"], req: Requests, first: Int[Array
         # the counts, and most of its requests set no penalty).
         logits = jax.lax.cond(jnp.any(on), penalized, lambda x: x.astype(jnp.float32), logits)
     early = (first[:, None] + jnp.arange(S)) <= req.min_new[:, None]  # [B, S]
-    is_stop_id = _id_mask(req.stop_ids, req.stop_ids >= 0, V)  # -1 pads
+    is_stop_id = id_mask(req.stop_ids, req.stop_ids >= 0, V)  # -1 pads
     return jnp.where(early[:, :, None] & is_stop_id[:, None, :], -jnp.inf, logits)
 
 

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ssd_jax.core.rows import DRAFT_STREAM, Requests, RowSampling, RowState, Seen, row_keys
+from ssd_jax.core.rows import (DRAFT_STREAM, Requests, RowSampling, RowState, Seen, id_mask,
+                               row_keys)
 from ssd_jax.models.attention import causal_mask
 from ssd_jax.models.transformer import KVCache, commit
 from ssd_jax.sampling import penalize, process_probs, sample, saguaro_rescale
@@ -71,21 +72,21 @@ def propose(logits: Float[Array, "B N Vd"], req: Requests, positions: Int[Array,
 
 
 def draft_decode(model, cfg, tokens: Int[Array, "B T"], start: Int[Array, " B"],
-                 cache: KVCache, req: Requests, saguaro: Saguaro | None = None,
-                 seen: Seen | None = None):
+                 cache: KVCache, req: Requests, first: Int[Array, " B"],
+                 saguaro: Saguaro | None = None, seen: Seen | None = None):
     """K = cfg.k draft tokens after `tokens` (fed at start..start+T-1, the cache valid below
     `start`), each from the logits of the newest token; `cfg` is the draft's static
     draft.DraftConfig (vocab, k, greedy_only). The new K/V ride in the attention's `extra` block
     (T + K - 1 positions from `start`) and are returned, not written: SD commits them, SSD's
     backup keeps them for the next glue (draft.py). Returns (drafts [B, K], q [B, K, Vd] | None,
-    new K/V, the logits each draft came from [B, K, Vd], penalised where `seen` is given);
-    unused outputs cost nothing (XLA drops them).
+    new K/V, the logits each draft came from [B, K, Vd], steered); unused outputs cost nothing
+    (XLA drops them).
 
-    `seen`: the rows' penalty counts (rows.Seen, target ids), given when the batch has
-    penalties: each draft is then proposed from logits penalised as the target's are at its
-    position (the committed tokens and the drafts before it counted), so the draft keeps
-    agreeing with a penalised target. Any proposal is exact (verification reads q, which is
-    drawn from these logits); this one is accepted more often."""
+    Each draft is proposed from logits moved as the target's law is at its position (steer):
+    `first` is the answer token number the first draft would be (its min_tokens mask), `seen`
+    the rows' penalty counts (rows.Seen, target ids) when the batch carries them (the committed
+    tokens and the drafts before each position counted). Any proposal is exact (verification
+    reads q, which is drawn from these logits); these are accepted more often."""
     vocab, k, greedy_only = cfg.vocab, cfg.k, cfg.greedy_only
     B, T = tokens.shape
     x, extra = tokens, None
@@ -98,8 +99,9 @@ def draft_decode(model, cfg, tokens: Int[Array, "B T"], start: Int[Array, " B"],
         logits, kv = model(vocab.draft_ids(x), pos, cache, start, mask, extra=extra,
                            logit_index=None if step else jnp.full((B, 1), T - 1, jnp.int32))
         nxt = pos[:, -1:] + 1
-        steered = logits if seen is None else steer(logits, req, lambda: counts[:, None],
-                                                    in_prompt)
+        steered = steer(logits, req, vocab, (first + step)[:, None],
+                        None if seen is None else lambda: counts[:, None],
+                        None if seen is None else in_prompt)
         x, q = propose(steered, req, nxt, vocab, greedy_only,
                        None if saguaro is None else (saguaro.fan[:, step], saguaro))
         if seen is not None:
@@ -114,20 +116,41 @@ def draft_decode(model, cfg, tokens: Int[Array, "B T"], start: Int[Array, " B"],
             jnp.stack(step_logits, 1))
 
 
-def steer(logits: Float[Array, "B S Vd"], req: Requests,
-          counts: Callable[[], Int[Array, "B S Vd"]], in_prompt: Bool[Array, "B Vd"]
-          ) -> Float[Array, "B S Vd"]:
-    """The draft's logits penalised as the target's are (sampling.penalize) at the same
-    positions, given the token counts there (`counts()`, in the draft's columns), so that its
-    proposals and fork candidates follow a penalised target. Skipped, counts and all, when no
-    row sets a penalty (a live batch carries counts for requests that mostly do not). Exact
-    either way: verification reads q, drawn from what this returns."""
+def steer(logits: Float[Array, "B S Vd"], req: Requests, vocab, number: Int[Array, "B S"],
+          counts: Callable[[], Int[Array, "B S Vd"]] | None = None,
+          in_prompt: Bool[Array, "B Vd"] | None = None) -> Float[Array, "B S Vd"]:
+    """The draft's logits moved as the target's law is at the same positions
+    (rows.target_logits), in the draft's columns: each row's logit bias, its penalties given the
+    token counts there (`counts()`; None where the batch carries no counts), and its stop ids
+    at -inf where the position would emit answer token `number` (1-based) <= min_tokens. So the
+    draft proposes, and SSD forks, as the target will decide: a banned token or a held-back
+    stop is no longer proposed only to be rejected. Each part runs only when some row asks for
+    it (a live batch carries settings that most requests leave off). Exact either way:
+    verification reads q, drawn from what this returns."""
     s = req.sampling
-    on = (s.presence != 0) | (s.frequency != 0) | (s.repetition != 1)
-    return jax.lax.cond(
-        jnp.any(on), lambda x: penalize(x, counts(), in_prompt, s.presence, s.frequency,
-                                        s.repetition),
-        lambda x: x.astype(jnp.float32), logits)
+    B, S, Vd = logits.shape
+    logits = logits.astype(jnp.float32)
+
+    def biased(x):
+        # Bias on a token the draft cannot name lands on the OOV column, never proposed.
+        cols = vocab.out_ids(s.bias_ids)
+        return x + jnp.zeros((B, Vd), jnp.float32).at[jnp.arange(B)[:, None], cols].add(
+            s.bias.astype(jnp.float32))[:, None]
+
+    logits = jax.lax.cond(jnp.any(s.bias != 0), biased, lambda x: x, logits)
+    if counts is not None:
+        on = (s.presence != 0) | (s.frequency != 0) | (s.repetition != 1)
+        logits = jax.lax.cond(
+            jnp.any(on), lambda x: penalize(x, counts(), in_prompt, s.presence, s.frequency,
+                                            s.repetition), lambda x: x, logits)
+    early = number <= req.min_new[:, None]  # [B, S]
+
+    def held_back(x):
+        real = req.stop_ids >= 0  # -1 pads
+        stop = id_mask(vocab.out_ids(jnp.maximum(req.stop_ids, 0)), real, Vd)
+        return jnp.where(early[:, :, None] & stop[:, None, :], -jnp.inf, x)
+
+    return jax.lax.cond(jnp.any(early), held_back, lambda x: x, logits)
 
 
 @partial(jax.jit, static_argnames=("cfg",))
@@ -137,7 +160,7 @@ def _sd_draft(cfg, params, rows: RowState, cache: KVCache, req: Requests
     # necessary after a full acceptance, where the last draft token s_K was never fed.
     tokens = jnp.stack([rows.prev, rows.last], axis=1)
     drafts, q, kv, _ = draft_decode(cfg.graphdef.merge(params), cfg, tokens, rows.lengths - 1,
-                                    cache, req, seen=rows.seen)
+                                    cache, req, rows.generated + 1, seen=rows.seen)
     no = jnp.zeros_like(rows.done)
     return Speculation(drafts, None if q is None else cfg.vocab.target_probs(q), no, ~no), kv
 
