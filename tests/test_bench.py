@@ -421,21 +421,29 @@ def test_continuous_batch_smoke(tmp_path, capsys):
     assert "| continuous |" in capsys.readouterr().out
 
 
-# ------------------------------------------------------------------ penalties and acceptance
-def test_penalty_acceptance_flags():
-    from bench.penalty_acceptance import main as penalty
-    for argv in (["--k", "0"], ["--pair", "nope"]):
+# ------------------------------------------------------------------ sampling settings and acceptance
+def test_steering_acceptance_flags():
+    from bench.steering_acceptance import main as steering
+    for argv in (["--k", "0"], ["--pair", "nope"], ["--ban", "0"]):
         with pytest.raises(SystemExit) as e:
-            penalty(argv)
+            steering(argv)
         assert e.value.code == 2
 
 
-@pytest.mark.slow  # ~40 s: SmolLM2 and its draft, three SD runs
-def test_penalty_acceptance_smoke(tmp_path):
-    from bench.penalty_acceptance import main as penalty
+def test_steering_acceptance_bans_the_most_used_tokens():
+    from bench.steering_acceptance import banned
+    assert banned([[5, 5, 7, 9], [7, 5, 3]], 2) == {5: -100.0, 7: -100.0}
+
+
+@pytest.mark.slow  # ~60 s: SmolLM2 and its draft, five SD runs
+def test_steering_acceptance_smoke(tmp_path):
+    from bench.steering_acceptance import main as steering
     out = tmp_path / "p.json"
-    assert penalty(["--k", "2", "--max-tokens", "8", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["penalty"] for r in rows] == ["none", "repetition 1.1",
-                                            "presence + frequency 0.5"]
+    assert steering(["--k", "2", "--max-tokens", "8", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    rows = got["rows"]
+    assert [r["setting"] for r in rows] == [
+        "none", "repetition 1.1", "presence + frequency 0.5",
+        "logit_bias: 4 most used tokens banned", "min_tokens=8"]
     assert all(1.0 <= r["tokens_per_round"] <= 3.0 for r in rows)
+    assert len(got["banned"]) == 4 and rows[-1]["answer_tokens"] == [8] * 4
