@@ -77,7 +77,7 @@ class RowState(NamedTuple):
     seen: Seen | None = None
 
 
-def id_mask(ids: Int[Array, "B N"], real: Bool[Array, "B N"], vocab_size: int
+def _id_mask(ids: Int[Array, "B N"], real: Bool[Array, "B N"], vocab_size: int
              ) -> Bool[Array, "B V"]:
     """Per row, which token ids occur among its real entries. A scatter-max, so padding
     entries (any id, real False) mark nothing."""
@@ -91,7 +91,7 @@ def prompt_seen(tokens: Int[Array, "B T"], prompt_len: Int[Array, " B"], vocab_s
     """The penalties' state before the first answer token: no counts, the prompts' tokens."""
     real = jnp.arange(tokens.shape[1]) < prompt_len[:, None]
     return Seen(jnp.zeros((tokens.shape[0], vocab_size), jnp.int32),
-                id_mask(tokens, real, vocab_size))
+                _id_mask(tokens, real, vocab_size))
 
 
 def _count(seen: Seen, tokens: Int[Array, "B S"]) -> Seen:
@@ -135,8 +135,15 @@ def target_logits(logits: Float[Array, "B S V"], req: Requests, first: Int[Array
         # The vocabulary-wide passes only when some row asks (a live batch always carries
         # the counts, and most of its requests set no penalty).
         logits = jax.lax.cond(jnp.any(on), penalized, lambda x: x.astype(jnp.float32), logits)
-    early = (first[:, None] + jnp.arange(S)) <= req.min_new[:, None]  # [B, S]
-    is_stop_id = id_mask(req.stop_ids, req.stop_ids >= 0, V)  # -1 pads
+    return hold_stops(logits, req.stop_ids, first[:, None] + jnp.arange(S), req.min_new)
+
+
+def hold_stops(logits: Float[Array, "B S V"], stop_ids: Int[Array, "B N"],
+               number: Int[Array, "B S"], min_new: Int[Array, " B"]) -> Float[Array, "B S V"]:
+    """vLLM's min_tokens: each row's stop ids (columns of `logits`, -1 pads) at -inf where the
+    position would emit answer token `number` (1-based) <= min_new."""
+    early = number <= min_new[:, None]
+    is_stop_id = _id_mask(stop_ids, stop_ids >= 0, logits.shape[-1])
     return jnp.where(early[:, :, None] & is_stop_id[:, None, :], -jnp.inf, logits)
 
 

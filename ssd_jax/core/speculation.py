@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ssd_jax.core.rows import (DRAFT_STREAM, Requests, RowSampling, RowState, Seen, id_mask,
+from ssd_jax.core.rows import (DRAFT_STREAM, Requests, RowSampling, RowState, Seen, hold_stops,
                                row_keys)
 from ssd_jax.models.attention import causal_mask
 from ssd_jax.models.transformer import KVCache, commit
-from ssd_jax.sampling import penalize, process_probs, sample, saguaro_rescale
+from ssd_jax.sampling import add_bias, penalize, process_probs, sample, saguaro_rescale
 
 
 class Speculation(NamedTuple):
@@ -128,29 +128,19 @@ def steer(logits: Float[Array, "B S Vd"], req: Requests, vocab, number: Int[Arra
     it (a live batch carries settings that most requests leave off). Exact either way:
     verification reads q, drawn from what this returns."""
     s = req.sampling
-    B, S, Vd = logits.shape
-    logits = logits.astype(jnp.float32)
-
-    def biased(x):
-        # Bias on a token the draft cannot name lands on the OOV column, never proposed.
-        cols = vocab.out_ids(s.bias_ids)
-        return x + jnp.zeros((B, Vd), jnp.float32).at[jnp.arange(B)[:, None], cols].add(
-            s.bias.astype(jnp.float32))[:, None]
-
-    logits = jax.lax.cond(jnp.any(s.bias != 0), biased, lambda x: x, logits)
+    # A bias or a stop id the draft cannot name lands on its OOV column, never proposed.
+    logits = jax.lax.cond(jnp.any(s.bias != 0),
+                          lambda x: add_bias(x, vocab.out_ids(s.bias_ids), s.bias),
+                          lambda x: x, logits.astype(jnp.float32))
     if counts is not None:
         on = (s.presence != 0) | (s.frequency != 0) | (s.repetition != 1)
         logits = jax.lax.cond(
             jnp.any(on), lambda x: penalize(x, counts(), in_prompt, s.presence, s.frequency,
                                             s.repetition), lambda x: x, logits)
-    early = number <= req.min_new[:, None]  # [B, S]
-
-    def held_back(x):
-        real = req.stop_ids >= 0  # -1 pads
-        stop = id_mask(vocab.out_ids(jnp.maximum(req.stop_ids, 0)), real, Vd)
-        return jnp.where(early[:, :, None] & stop[:, None, :], -jnp.inf, x)
-
-    return jax.lax.cond(jnp.any(early), held_back, lambda x: x, logits)
+    stop_cols = jnp.where(req.stop_ids >= 0, vocab.out_ids(jnp.maximum(req.stop_ids, 0)), -1)
+    return jax.lax.cond(jnp.any(number <= req.min_new[:, None]),
+                        lambda x: hold_stops(x, stop_cols, number, req.min_new),
+                        lambda x: x, logits)
 
 
 @partial(jax.jit, static_argnames=("cfg",))
