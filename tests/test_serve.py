@@ -666,6 +666,26 @@ def test_ctrl_c_while_the_server_loads_is_one_line():
     assert err.strip().splitlines()[-1] == "ssd-serve: interrupted"
 
 
+def test_ctrl_c_inside_a_gc_callback_still_ends_the_server():
+    """Python swallows a KeyboardInterrupt raised inside a garbage-collection callback (jax
+    registers one), which once left the server loading after a Ctrl-C (a CI run): the handler
+    must end the process itself. The callback here sends the signal to its own process."""
+    import subprocess
+    import sys
+    start = ("import gc, os, signal, time; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+             "from ssd_jax.serve.__main__ import _exit_on_ctrl_c\n"
+             "_exit_on_ctrl_c()\n"
+             "def hit(phase, info):\n"
+             "    if phase == 'start':\n"
+             "        os.kill(os.getpid(), signal.SIGINT); time.sleep(0.2)\n"
+             "gc.callbacks.append(hit); gc.collect(); gc.callbacks.remove(hit)\n"
+             "time.sleep(30)\n")
+    proc = subprocess.run([sys.executable, "-c", start], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip().splitlines() == ["ssd-serve: interrupted"], proc.stderr
+
+
 def test_server_process_start_up_and_shutdown(tmp_path):
     """`ssd-serve` as a user starts it: a taken port or a bad one is one line before any
     model loads; SIGTERM with a request decoding ends that request with an error event and

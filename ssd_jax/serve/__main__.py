@@ -42,13 +42,31 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    _exit_on_ctrl_c()
     try:
         return _main(argv)
-    except KeyboardInterrupt:  # Ctrl-C before it listens: loading, compiling, warming up
-        print("ssd-serve: interrupted", file=sys.stderr, flush=True)
-        # Not through the interpreter's shutdown: with XLA's threads cut off mid-compile it
-        # can crash (SIGSEGV) after this line.
-        os._exit(130)
+    except KeyboardInterrupt:  # raised before the handler was in place
+        _interrupted()
+
+
+def _interrupted(*_) -> None:
+    """Ctrl-C before the server listens (loading, compiling, warming up): one line, status 130.
+    Not through the interpreter's shutdown: with XLA's threads cut off mid-compile it can crash
+    (SIGSEGV) after this line."""
+    print("ssd-serve: interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+def _exit_on_ctrl_c() -> None:
+    """Exit from the SIGINT handler itself rather than through a KeyboardInterrupt: Python
+    swallows an exception raised inside a garbage-collection callback (jax registers one), so
+    a Ctrl-C landing there was lost and the server went on loading. uvicorn installs its own
+    handler while it serves. A SIGINT the caller ignores (nohup, a test runner) stays ignored."""
+    import signal
+    import threading
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+        signal.signal(signal.SIGINT, _interrupted)
 
 
 def _main(argv) -> int:
