@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     _exit_on_ctrl_c()
     try:
         return _main(argv)
-    except KeyboardInterrupt:  # raised before the handler was in place
+    except KeyboardInterrupt:  # from a SIGINT handler of the caller's own, left in place
         _interrupted()
 
 
