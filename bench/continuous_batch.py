@@ -3,6 +3,7 @@
     python -m bench.continuous_batch [--model smollm2] [--draft PATH] [--mode ar]
                                      [--suite chat] [--prompts 16] [--max-batch 4]
                                      [--max-tokens 16,128] [--repeats 2] [--json PATH]
+                                     [--driver single|processes]
 
 One workload, a suite's prompts with budgets spread evenly over --max-tokens (low,high) and
 their natural end (EOS), decoded by `LLM.generate` in one call, both ways: with
@@ -10,7 +11,9 @@ EngineConfig(continuous=True) rows join a batch of max_batch slots as others end
 (ssd_jax/continuous.py); with continuous=False they run as consecutive batches of max_batch
 rows, each waiting for its longest row. Both ways warm up first (compiles apart), then run in
 alternation --repeats times (timings drift on a shared VM: an A/B pair is run back to back).
-Greedy answers must be equal both ways; the run fails otherwise.
+Greedy answers must be equal both ways; the run fails otherwise. --driver processes decodes in
+the two pinned worker processes (SSD on CPU: the target on one core, the draft on the other;
+each way has its own pair of workers, idle while the other way runs).
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", default="16,128", help="low,high budgets")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--driver", default="single", choices=("single", "processes"))
     args = ap.parse_args(argv)
     try:
         low, high = (int(x) for x in args.max_tokens.split(","))
@@ -55,7 +59,7 @@ def main(argv=None) -> int:
     texts = [p.text for p in load_suite(args.suite, args.prompts)]
     params = [SamplingParams(max_new_tokens=n) for n in budgets(args.prompts, low, high)]
     ways = {way: LLM(args.model, draft=args.draft, progress=False,
-                     engine=EngineConfig(max_batch=args.max_batch, driver="single",
+                     engine=EngineConfig(max_batch=args.max_batch, driver=args.driver,
                                          continuous=way == "continuous"))
             for way in ("continuous", "consecutive")}
     answers, seconds = {}, {w: [] for w in ways}
@@ -80,12 +84,12 @@ def main(argv=None) -> int:
     emit(["way", "seconds (median)", "tok/s"],
          [[w, f"{r['seconds']:.1f}", f"{r['tok_s']:.1f}"] for w, r in rows.items()],
          args.json, {"model": args.model, "draft": args.draft, "mode": args.mode,
-                     "suite": args.suite, "prompts": args.prompts,
+                     "suite": args.suite, "prompts": args.prompts, "driver": args.driver,
                      "max_batch": args.max_batch, "budgets": [p.max_new_tokens for p in params],
                      "tokens": tokens, "rows": rows, "speedup": ratio,
                      "backend": jax.default_backend(), "devices": jax.device_count()},
-         caption=f"{args.mode.upper()}, {args.prompts} {args.suite} prompts, budgets "
-                 f"{low}..{high}, max_batch {args.max_batch}, {tokens} tokens; continuous "
+         caption=f"{args.mode.upper()} ({args.driver}), {args.prompts} {args.suite} prompts, "
+                 f"budgets {low}..{high}, max_batch {args.max_batch}, {tokens} tokens; continuous "
                  f"{ratio:.2f}x consecutive")
     return 0
 

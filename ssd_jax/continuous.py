@@ -18,13 +18,13 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ssd_jax.config import MAX_LOGPROBS, SamplingParams
-from ssd_jax.core.live import LiveBatch
+from ssd_jax.core.live import Live
 from ssd_jax.core.logprobs import HostLogprobs, with_logprobs
 from ssd_jax.core.metrics import RunMetrics, SSDStats
 from ssd_jax.core.rounds import Chunk, with_prompt_logprobs
 
 
-def decode(live: LiveBatch, ids: list[list[int]], params: list[SamplingParams],
+def decode(live: Live, ids: list[list[int]], params: list[SamplingParams],
            stops: list[list[int]], ended: Callable[[int], bool], metrics: RunMetrics
            ) -> Iterator[Chunk]:
     """Rows `ids` (with their `params` and stop ids) through `live`, in order, a row joining
@@ -82,7 +82,7 @@ def decode(live: LiveBatch, ids: list[list[int]], params: list[SamplingParams],
         _leave(live, active, ended, done)
 
 
-def _leave(live: LiveBatch, active: dict[int, int], ended: Callable[[int], bool],
+def _leave(live: Live, active: dict[int, int], ended: Callable[[int], bool],
            done: np.ndarray | None) -> None:
     """Free the slots of rows ended on the device (`done`) or by the caller."""
     for slot, i in list(active.items()):

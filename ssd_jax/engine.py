@@ -109,6 +109,9 @@ class Engine:
         self._curve = None  # the latest Saguaro curve (saguaro_curve.py), for learn()
         self._curve_key = None  # its key in the tuning store
         self._logged_choice: autotune.Choice | None = None
+        # Modes whose "AR is faster" warning was given: the choice moves with each run's
+        # learned acceptance, and a generate of many batches would repeat it every batch.
+        self._warned_slow: set[str] = set()
         # ar_fallback, per asked mode: [AR tokens decoded in place of it since its last
         # speculative run, that run's tokens]. Per mode: SD and SSD calls interleaved (a
         # bench, a server with both) would otherwise reset each other's count.
@@ -468,7 +471,9 @@ class Engine:
                                  mode=mode, saguaro=curve, c=spec.c)
         if choice != self._logged_choice:  # warmup and the run choose alike: say it once
             log.info("automatic settings (%s): %s", mode.upper(), choice.describe())
-            if choice.ar_is_faster(mode):
+            if not choice.ar_is_faster(mode):
+                self._warned_slow.discard(mode)  # a later verdict against it is news again
+            else:
                 # Acted on only with ar_fallback (run): otherwise the run is the mode asked
                 # for (a bench cell, a user comparing modes).
                 what = ("runs decode with AR steps instead (ar_fallback), speculating now and "
@@ -477,9 +482,11 @@ class Engine:
                         "SpecConfig(ar_fallback=True) (--ar-fallback) to switch on its own")
                 ours, ar = choice.tok_s[mode], choice.tok_s["ar"]
                 digits = next((d for d in (1, 2, 3) if f"{ours:.{d}f}" != f"{ar:.{d}f}"), 4)
-                log.warning("the speed model predicts %s at %.*f tok/s, below AR's %.*f, with "
-                            "this pair's recent acceptance (a=%.2f): %s", mode.upper(),
-                            digits, ours, digits, ar, choice.a, what)
+                level = logging.INFO if mode in self._warned_slow else logging.WARNING
+                self._warned_slow.add(mode)
+                log.log(level, "the speed model predicts %s at %.*f tok/s, below AR's %.*f, "
+                        "with this pair's recent acceptance (a=%.2f): %s", mode.upper(),
+                        digits, ours, digits, ar, choice.a, what)
             self._logged_choice = choice
         return replace(spec, k=choice.k, budget=choice.budget,
                        backup=spec.backup or choice.backup,
@@ -584,6 +591,7 @@ class Engine:
         """Start this pair's acceptance and hit model afresh: the runs that follow teach them
         alone (a bench probing a new workload; a server whose traffic changed kind)."""
         autotune.TuneStore(autotune.store_path(self.cache_dir)).forget(self._pair)
+        self._warned_slow.clear()  # a new workload: its verdict is news
 
     def _learn_ar_scale(self, metrics: RunMetrics, asked: str = "ar", sampled: bool = False
                         ) -> None:
@@ -826,15 +834,21 @@ class Engine:
             yield chunk, metrics
 
     def live(self, mode: str, slots: int, spec: SpecConfig, *, seq_len: int | None = None,
-             greedy_only: bool = False, penalties: bool = True):
-        """A `core.live.LiveBatch` of `slots` rows decoding `mode` in this process (a server's
-        continuous batch), with the settings it resolved (automatic ones chosen for `slots`).
-        `seq_len`: its cache (None: the context, max_seq_len); `greedy_only` / `penalties`:
-        its programs' flags (the defaults serve any request)."""
+             greedy_only: bool = False, penalties: bool = True, driver: str | None = None):
+        """A `core.live.LiveBatch` of `slots` rows decoding `mode` (a server's continuous
+        batch), with the settings it resolved (automatic ones chosen for `slots`): in this
+        process, in the worker processes (runtime/pool_live.py) or across a pod, by `driver`
+        (None: `mode`'s). `seq_len`: its cache (None: the context, max_seq_len);
+        `greedy_only` / `penalties`: its programs' flags (the defaults serve any request)."""
         from ssd_jax.core.live import LiveBatch
         spec, _ = self._spec_for(spec, mode, slots)
         if self.pod is not None:
             return self._live_in_pod(mode, slots, spec), spec
+        if (driver or self.driver(mode)) == "processes":
+            return self._workers().live(
+                mode, slots, spec, seq_len=round_up(seq_len or self.config.max_seq_len, 256),
+                prefill_bucket=self.config.prefill_bucket, greedy_only=greedy_only,
+                penalties=penalties), spec
         link = LocalLink() if self.split is None else LocalLink(
             self.split.target_replicated, self.split.draft_replicated)
         draft = (None if mode == "ar" else
@@ -847,12 +861,13 @@ class Engine:
     def continuous(self, mode: str, params: list[SamplingParams], stops: list[list[int]]
                    ) -> bool:
         """Whether a call of these rows decodes as one continuous batch (continuous.py):
-        more rows than max_batch, EngineConfig.continuous, this process's driver, and rows a
+        more rows than max_batch, EngineConfig.continuous, a driver with live batches (this
+        process or the worker processes; a pod's offline runs stay consecutive batches), rows a
         live batch holds (its fixed widths of stop ids and logit biases; the consecutive
         batches hold any)."""
         from ssd_jax.core.live import BIAS_WIDTH, STOP_WIDTH
         return (len(params) > self.config.max_batch and self.config.continuous
-                and self.driver(mode) == "single"
+                and self.driver(mode) in ("single", "processes")
                 and all(len(s) <= STOP_WIDTH for s in stops)
                 and all(len(p.logit_bias) <= BIAS_WIDTH for p in params))
 
@@ -887,14 +902,18 @@ class Engine:
         spec, choice, (rows, _, seq_len) = self._live_plan(ids, params, mode, spec)
         self.last_choice = choice
         ran, settings, predicted = self._decide(mode, spec, choice, rows, params)
+        # `ran` runs where the asked mode's target runs (its driver), as in `run`.
         live, _ = self.live(ran, rows, spec, seq_len=seq_len,
                             greedy_only=all(p.temperature == 0 for p in params),
-                            penalties=any(p.penalized for p in params))
+                            penalties=any(p.penalized for p in params), driver=self.driver(mode))
         metrics = RunMetrics(mode=ran, batch=len(ids), k=spec.k if ran != "ar" else 0,
                              settings=settings)
-        for chunk in continuous.decode(live, ids, params, stops, ended, metrics):
-            self._count(mode, ran, predicted, chunk)
-            yield chunk, metrics
+        try:
+            for chunk in continuous.decode(live, ids, params, stops, ended, metrics):
+                self._count(mode, ran, predicted, chunk)
+                yield chunk, metrics
+        finally:
+            live.close()  # worker processes drop their sides (a caller may stop reading early)
 
     def _decode_here(self, batch: Batch, mode: str, spec: SpecConfig, metrics: RunMetrics,
                      seq_len: int, link=None, role: str | None = None

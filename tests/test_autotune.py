@@ -312,6 +312,14 @@ def test_engine_chooses_settings_and_stays_exact(tiny_llama, tmp_path, caplog):
     assert [o.token_ids for o in out] == ar and out[0].metrics.mode == "sd"
     said = [r.getMessage() for r in caplog.records if "mode='ar'" in r.getMessage()]
     assert len(said) == 1 and "below AR's" in said[0] and "a=0.05" in said[0]
+    # Warned once: a later run whose acceptance moved the verdict says it at INFO (a generate
+    # of many batches would otherwise warn every batch).
+    store.observe("model|model", 0.07, rounds=W)
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        llm.generate(prompts, p, mode="sd")
+    said = [r for r in caplog.records if "below AR's" in r.getMessage()]
+    assert [r.levelname for r in said] == ["INFO"] and "a=0.05" not in said[0].getMessage()
 
 
 def test_sampled_runs_learn_their_own_multiples(tiny_llama, tmp_path):

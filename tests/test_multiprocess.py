@@ -1,8 +1,12 @@
 """The multi-controller driver: target and draft in two processes under jax.distributed on
-localhost, exchanging through a jitted collective, give AR's greedy output; workers never
-outlive the LLM, also when one fails."""
+localhost, exchanging through a jitted collective, give AR's greedy output, also as one
+continuous batch past max_batch; workers never outlive the LLM, also when one fails."""
 import os
+import signal
+import time
+from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from ssd_jax import LLM, EngineConfig, SamplingParams
@@ -37,42 +41,111 @@ def _alive(pids):
     return out
 
 
-def test_two_process_ssd_equals_ar(paths):
+ENGINE = EngineConfig(max_batch=4, max_seq_len=256, prefill_bucket=16)
+SPEC = SpecConfig(k=3, budget=8)
+
+
+@pytest.fixture(scope="module")
+def workers(paths):
+    """An LLM with the worker processes, shared by the tests that decode in them."""
+    with LLM(paths[0], draft=paths[1], spec=SPEC, progress=False,
+             engine=replace(ENGINE, driver="processes")) as llm:
+        yield llm
+
+
+def test_two_process_ssd_equals_ar(paths, workers):
     target, draft = paths
-    llm = LLM(target, draft=draft, spec=SpecConfig(k=3, budget=8),
-              engine=EngineConfig(max_batch=4, max_seq_len=256, prefill_bucket=16,
-                                  driver="processes"))
-    with llm:
-        p = SamplingParams(max_new_tokens=20, ignore_eos=True)
-        want = [o.token_ids for o in llm.generate(PROMPTS, p, mode="ar", chat=False)]
-        out = llm.generate(PROMPTS, p, mode="ssd")
-        assert [o.token_ids for o in out] == want
-        m = out[0].metrics
-        assert m.ssd.hit_rate > 0 and m.decode_tok_s > 0
-        pids = [proc.pid for proc in llm.pool.procs.values()]
-        assert len(_alive(pids)) == 2
-        # Penalties on a row: the target worker's rows carry the counts (asked for by the
-        # params it receives); the answer is the single-process one.
-        pen = [p, SamplingParams(max_new_tokens=20, ignore_eos=True, presence_penalty=0.6,
-                                 frequency_penalty=0.7, repetition_penalty=1.5), p]
-        single = LLM(target, draft=draft, spec=SpecConfig(k=3, budget=8),
-                     engine=EngineConfig(max_batch=4, max_seq_len=256, prefill_bucket=16,
-                                         driver="single"))
-        want = [o.token_ids for o in single.generate(PROMPTS, pen, mode="ar", chat=False)]
-        assert want[1] != out[1].token_ids  # the penalties move that row
-        assert [o.token_ids for o in llm.generate(PROMPTS, pen, mode="ssd")] == want
-        # A stop string in every row: the workers do not see them and decode on, the host
-        # cuts each row at the token that completed its string, and the run's metrics (which
-        # the workers send at its end) still arrive.
-        want = [o.token_ids for o in out]
-        stops = [llm.prompts.text(w[4:5]) for w in want]
-        cut = llm.generate(PROMPTS, [SamplingParams(max_new_tokens=20, ignore_eos=True,
-                                                    stop=s) for s in stops], mode="ssd")
-        for w, s, o in zip(want, stops, cut):
-            keep = next(j for j in range(1, 21) if s in llm.prompts.text(w[:j]))
-            assert (o.token_ids, o.finish_reason) == (w[:keep], "stop")
-        assert cut[0].metrics.ssd.hit_rate > 0
-    assert _alive(pids) == []
+    llm = workers
+    p = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    want = [o.token_ids for o in llm.generate(PROMPTS, p, mode="ar", chat=False)]
+    out = llm.generate(PROMPTS, p, mode="ssd")
+    assert [o.token_ids for o in out] == want
+    m = out[0].metrics
+    assert m.ssd.hit_rate > 0 and m.decode_tok_s > 0
+    pids = [proc.pid for proc in llm.pool.procs.values()]
+    assert len(_alive(pids)) == 2
+    # Penalties on a row: the target worker's rows carry the counts (asked for by the
+    # params it receives); the answer is the single-process one.
+    pen = [p, SamplingParams(max_new_tokens=20, ignore_eos=True, presence_penalty=0.6,
+                             frequency_penalty=0.7, repetition_penalty=1.5), p]
+    single = LLM(target, draft=draft, spec=SpecConfig(k=3, budget=8),
+                 engine=EngineConfig(max_batch=4, max_seq_len=256, prefill_bucket=16,
+                                     driver="single"))
+    want = [o.token_ids for o in single.generate(PROMPTS, pen, mode="ar", chat=False)]
+    assert want[1] != out[1].token_ids  # the penalties move that row
+    assert [o.token_ids for o in llm.generate(PROMPTS, pen, mode="ssd")] == want
+    # A stop string in every row: the workers do not see them and decode on, the host
+    # cuts each row at the token that completed its string, and the run's metrics (which
+    # the workers send at its end) still arrive.
+    want = [o.token_ids for o in out]
+    stops = [llm.prompts.text(w[4:5]) for w in want]
+    cut = llm.generate(PROMPTS, [SamplingParams(max_new_tokens=20, ignore_eos=True,
+                                                stop=s) for s in stops], mode="ssd")
+    for w, s, o in zip(want, stops, cut):
+        keep = next(j for j in range(1, 21) if s in llm.prompts.text(w[:j]))
+        assert (o.token_ids, o.finish_reason) == (w[:keep], "stop")
+    assert cut[0].metrics.ssd.hit_rate > 0
+
+
+def test_generate_past_max_batch_is_one_continuous_batch_in_the_workers(paths, workers):
+    """More rows than max_batch decode as one continuous batch in the worker processes
+    (runtime/pool_live.py; SSD's sides in two workers, AR and SD in the target's): greedy
+    rows, one ended by a stop token and one by a stop string, give one process's AR answer
+    alone, in fewer rounds than consecutive batches; seeded sampled SSD rows with
+    log-probabilities give what they give alone in one process. The workers outlive the
+    live batches (an ordinary run follows), not a worker's death."""
+    target, draft = paths
+    llm = workers
+    prompts = PROMPTS + [[3, 1, 4, 1, 5, 9, 2, 6], [100, 2, 60]]
+    lengths = [12, 5, 20, 9, 15]
+    single = LLM(target, draft=draft, spec=SPEC, progress=False,
+                 engine=replace(ENGINE, driver="single"))
+    greedy = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
+    alone = [single.generate([t], p, mode="ar", chat=False)[0].token_ids
+             for t, p in zip(prompts, greedy)]
+    stop_tok, stop_str = alone[2][6], single.prompts.text(alone[3][3:4])
+    greedy[2] = SamplingParams(max_new_tokens=20, stop_token_ids=[stop_tok])
+    greedy[3] = SamplingParams(max_new_tokens=9, ignore_eos=True, stop=stop_str)
+    cut = next(j for j in range(1, 10) if stop_str in single.prompts.text(alone[3][:j]))
+    want = alone[:2] + [alone[2][:alone[2].index(stop_tok) + 1], alone[3][:cut], alone[4]]
+    # Consecutive batches of 4 would take the longest row's steps in each.
+    consecutive = max(len(w) for w in want[:4]) - 1 + len(want[4]) - 1
+    sampled = [SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=1.0, seed=i,
+                              logprobs=2) for i, n in enumerate(lengths)]
+    want_sampled = [single.generate([t], p, mode="ssd", chat=False)[0]
+                    for t, p in zip(prompts, sampled)]
+    assert llm.core.continuous("ssd", greedy, [[]] * 5)
+    for mode in ("ssd", "sd", "ar"):
+        got = llm.generate(prompts, greedy, mode=mode, chat=False)
+        assert [o.token_ids for o in got] == want, mode
+        assert [o.finish_reason for o in got][2:] == ["stop", "stop", "length"]
+        m = got[0].metrics
+        assert m.batch == 5 and all(o.metrics is m for o in got)
+        if mode == "ar":
+            assert m.decode_steps < consecutive
+        if mode == "ssd":
+            assert m.ssd.hit_rate > 0
+    got = llm.generate(prompts, sampled, mode="ssd", chat=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want_sampled]
+    for a, g in zip(want_sampled, got):
+        for x, y in zip(a.logprobs, g.logprobs):
+            assert x.keys() == y.keys()
+            assert np.allclose([x[t] for t in x], [y[t] for t in x], atol=1e-5)
+    plain = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths[:3]]
+    out = llm.generate(prompts[:3], plain, mode="ssd", chat=False)
+    assert [o.token_ids for o in out] == alone[:3]
+    # A worker that dies mid-batch is an error within seconds, not a hang (the other waits
+    # in a collective), and takes the pool down with it.
+    live, _ = llm.core.live("ssd", 4, SPEC, driver="processes")
+    live.join(0, prompts[0], greedy[0], [])
+    pids = [proc.pid for proc in llm.pool.procs.values()]
+    os.kill(llm.pool.procs["draft"].pid, signal.SIGKILL)
+    llm.pool.procs["draft"].wait(timeout=10)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="the draft worker exited"):
+        live.step()
+    assert time.monotonic() - t0 < 30
+    assert llm.pool.procs == {} and _alive(pids) == []
 
 
 def test_two_processes_with_two_devices_each_equal_one_device_ar(paths):

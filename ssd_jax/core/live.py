@@ -18,6 +18,7 @@ and with STOP_WIDTH stop ids per row, so every join writes rows of one shape. Of
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +83,26 @@ def _put_state(big, small, slot):
 @jax.jit
 def _mark_done(rows, slot):
     return rows._replace(done=rows.done.at[slot].set(True))
+
+
+@runtime_checkable
+class Live(Protocol):
+    """What drives a live batch (continuous.py, the server's scheduler) calls: a LiveBatch in
+    this process, or one across processes (runtime/pool_live.py, runtime/pod_live.py)."""
+    slots: int
+
+    def free_slots(self) -> list[int]: ...
+
+    def request(self, ids: list[int], params: SamplingParams, stops: list[int]) -> Batch: ...
+
+    def join(self, slot: int, ids: list[int], params: SamplingParams, stops: list[int],
+             logprobs: int | None = None, prompt_logprobs: bool = False): ...
+
+    def leave(self, slot: int) -> None: ...
+
+    def step(self, logprobs: int | None = None): ...
+
+    def close(self) -> None: ...
 
 
 class LiveBatch:
@@ -190,8 +211,7 @@ class LiveBatch:
 
     def request(self, ids: list[int], params: SamplingParams, stops: list[int]) -> Batch:
         """One request as a joining row; raises ValueError for what it cannot hold."""
-        return _live(make_batch([ids], [params], [stops], self.bucket), self.greedy_only,
-                     self.penalties)
+        return joining_row(ids, params, stops, self.bucket, self.greedy_only, self.penalties)
 
     def leave(self, slot: int) -> None:
         """Free `slot` (finished, cancelled or disconnected): the row is frozen on every side."""
@@ -201,6 +221,10 @@ class LiveBatch:
             rows=_mark_done(s.target.rows, slot))
         ds = None if s.draft is None else s.draft._replace(rows=_mark_done(s.draft.rows, slot))
         self.state = RoundState(ts, ds, s.spec)
+
+    def close(self) -> None:
+        """Nothing to end in one process (its arrays go with the object); a live batch across
+        processes (runtime/pool_live.py, runtime/pod_live.py) ends the others' side."""
 
     # ---------------------------------------------------------------- rounds
     def step(self, logprobs: int | None = None
@@ -239,6 +263,13 @@ class LiveBatch:
             out = jnp.where(before.done, -1, rows.last)[:, None]
             self.state = RoundState(s.target._replace(rows=rows, cache=cache), None, None)
         return np.asarray(out), np.asarray(self.state.target.rows.done), hit, _host(lp)
+
+
+def joining_row(ids: list[int], params: SamplingParams, stops: list[int], bucket: int,
+                greedy_only: bool, penalties: bool) -> Batch:
+    """One request as a row joining a live batch of these flags; raises ValueError for what
+    such a batch cannot hold (the check a process without the batch can make too)."""
+    return _live(make_batch([ids], [params], [stops], bucket), greedy_only, penalties)
 
 
 def _host(lp: TokenLogprobs | None) -> HostLogprobs | None:

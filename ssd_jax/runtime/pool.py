@@ -112,8 +112,8 @@ class WorkerPool:
         from ssd_jax.autotune import DRAFT_TOKENS, TARGET_TOKENS, StepCosts
         self.start()
         try:
-            self.conns["target"].send(("costs", dict(rows=rows, tokens=TARGET_TOKENS)))
-            self.conns["draft"].send(("costs", dict(rows=rows, tokens=DRAFT_TOKENS)))
+            self._send("target", ("costs", dict(rows=rows, tokens=TARGET_TOKENS)))
+            self._send("draft", ("costs", dict(rows=rows, tokens=DRAFT_TOKENS)))
             target, draft = self._recv("target")[1], self._recv("draft")[1]
         except BaseException:
             self.close()
@@ -128,9 +128,9 @@ class WorkerPool:
         self.start()
         kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, last=n, min_p=min_p)
         try:
-            self.conns["target"].send(("probs", dict(tokens=prompt, **kw)))
+            self._send("target", ("probs", dict(tokens=prompt, **kw)))
             more, p = self._recv("target")[1]
-            self.conns["draft"].send(("probs", dict(tokens=prompt + more, **kw)))
+            self._send("draft", ("probs", dict(tokens=prompt + more, **kw)))
             return p, self._recv("draft")[1]
         except BaseException:
             self.close()
@@ -141,9 +141,9 @@ class WorkerPool:
         self.start()
         ssd = request["mode"] == "ssd"
         try:
-            self.conns["target"].send(("run", request))
+            self._send("target", ("run", request))
             if ssd:
-                self.conns["draft"].send(("run", request))
+                self._send("draft", ("run", request))
             while True:
                 kind, payload = self._recv("target")
                 if kind == "chunk":
@@ -166,6 +166,36 @@ class WorkerPool:
             self.close()
             raise
 
+    def live(self, mode: str, slots: int, spec, **kw):
+        """A continuous batch of `slots` rows in the workers (runtime/pool_live.py)."""
+        from ssd_jax.runtime.pool_live import WorkerLive
+        self.start()
+        return WorkerLive(self, mode, slots, spec, **kw)
+
+    def live_call(self, roles: tuple[str, ...], msg: dict):
+        """One live-batch call, made by the workers of `roles` in this order; the target
+        worker's answer: (the call's result, the free slots after it)."""
+        try:
+            for role in roles:
+                self._send(role, ("live", msg))
+            return self._recv("target")[1]
+        except BaseException:
+            # A worker that failed mid-call leaves the other blocked in a collective, and a
+            # call interrupted here leaves its answer unread: stop both.
+            self.close()
+            raise
+
+    def live_end(self, roles: tuple[str, ...]) -> None:
+        """End the workers' sides of a live batch (no answer comes back)."""
+        if not self.conns:
+            return  # closed after a failure
+        try:
+            for role in roles:
+                self._send(role, ("live", dict(op="end")))
+        except BaseException:
+            self.close()
+            raise
+
     def _drain(self, ssd: bool) -> None:
         try:
             while self._recv("target")[0] == "chunk":
@@ -175,11 +205,32 @@ class WorkerPool:
         except BaseException:
             self.close()
 
+    def _send(self, role: str, msg) -> None:
+        """Send to a worker; one that has died is a WorkerError naming it, as in `_recv`."""
+        try:
+            self.conns[role].send(msg)
+        except OSError as e:
+            self._check_alive()
+            raise WorkerError(f"the {role} worker's connection failed: {e}") from e
+
     def _check_alive(self) -> None:
         for name, proc in self.procs.items():
             if proc.poll() is not None:
                 raise WorkerError(f"the {name} worker exited with code {proc.returncode}"
-                                  f"{self._log_tail(name)}")
+                                  f"{self._error_of(name) or self._log_tail(name)}")
+
+    def _error_of(self, role: str) -> str:
+        """The traceback a dead worker sent and nobody read (the draft answers no live-batch
+        call), or ""."""
+        conn = self.conns.get(role)
+        try:
+            if conn is not None and conn.poll(0):
+                kind, payload = conn.recv()
+                if kind == "error":
+                    return f":\n{payload}"
+        except (EOFError, OSError, ValueError):
+            pass
+        return ""
 
     def _log_tail(self, role: str, lines: int = 15) -> str:
         f = self.logs.get(role)
@@ -198,7 +249,11 @@ class WorkerPool:
             self._check_alive()
         kind, payload = conn.recv()
         if kind == "error":
-            raise WorkerError(f"the {role} worker failed:\n{payload}")
+            # A worker whose partner died fails in their collective: name the death first.
+            dead = [f"the {name} worker exited with code {proc.returncode}; "
+                    for name, proc in self.procs.items()
+                    if name != role and proc.poll() is not None]
+            raise WorkerError(f"{''.join(dead)}the {role} worker failed:\n{payload}")
         return kind, payload
 
     def close(self) -> None:

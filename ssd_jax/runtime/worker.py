@@ -92,6 +92,7 @@ class _Server:
         if self.role == "target":
             self.target = ModelRunner(load(args.target, dtype=args.dtype)[0], self.mesh)
         self.exchange = Exchange(self.replicated)
+        self.live = None  # this side of a continuous batch (runtime/pool_live.py), if open
 
     @property
     def draft(self):
@@ -117,6 +118,12 @@ class _Server:
             if msg[0] == "probs":
                 self.conn.send(("probs", self.probs(**msg[1])))
                 continue
+            if msg[0] == "live":
+                reply = self.live_call(msg[1])
+                # The target answers each call but the end; the draft side's results stay here.
+                if self.role == "target" and msg[1]["op"] != "end":
+                    self.conn.send(("live", reply))
+                continue
             self.conn.send(self.run(msg[1]))
 
     def step_costs(self, rows: int, tokens) -> dict:
@@ -137,6 +144,56 @@ class _Server:
                                       self.replicated, min_p)
         return teacher_forced_probs(self.draft, tokens, temperature, top_k, top_p, self.vocab,
                                     last=last, min_p=min_p)
+
+    def live_call(self, msg: dict):
+        """One call on this side of a continuous batch (runtime/pool_live.py): the parent
+        makes it on both workers in one order, so the two sides meet in each exchange. Returns
+        the call's result and the free slots after it (the target's; None on the draft)."""
+        from ssd_jax.config import SamplingParams
+        op = msg["op"]
+        if op == "open":
+            self.live = None  # a batch the parent abandoned goes first (its caches)
+            self.live = self._open_live(msg)
+            out = self.live.slots
+        elif op == "end":
+            self.live = None
+            return None, None
+        elif self.live is None:
+            raise RuntimeError(f"live-batch call {op!r} before the batch was opened")
+        elif op == "join":
+            out = self.live.join(msg["slot"], msg["ids"], SamplingParams(**msg["params"]),
+                                 msg["stops"], msg["logprobs"], msg["prompt_logprobs"])
+        elif op == "leave":
+            out = self.live.leave(msg["slot"])
+        elif op == "step":
+            out = self.live.step(msg["logprobs"])
+        else:
+            raise ValueError(f"unknown live-batch call {op!r} from the parent")
+        return out, (self.live.free_slots() if self.role == "target" else None)
+
+    def _open_live(self, msg: dict):
+        """This side of a continuous batch of `slots` rows: in SSD each worker holds one side
+        and the two meet over CollectiveLinks (the batch's and a joining row's), as a pod's
+        processes do; AR and SD run in the target worker alone."""
+        from ssd_jax.config import SpecConfig
+        from ssd_jax.core.batch import padded_shape
+        from ssd_jax.core.live import LiveBatch
+        from ssd_jax.core.transport import DRAFT, TARGET, CollectiveLink
+        mode, spec, bucket = msg["mode"], SpecConfig(**msg["spec"]), msg["prefill_bucket"]
+        links = {}
+        if mode == "ssd":
+            rows = padded_shape([1] * msg["slots"], bucket)[0]
+            role = DRAFT if self.role == "draft" else TARGET
+            links = {name: CollectiveLink(self.exchange, role, b, spec.k, self.vocab_size,
+                                          msg["greedy_only"])
+                     for name, b in (("link", rows), ("join_link", 1))}
+        target = self.target if self.role == "target" else None
+        draft = None if mode == "ar" or (mode == "ssd") != (self.role == "draft") else self.draft
+        return LiveBatch(mode, target, draft, self.vocab, slots=msg["slots"],
+                         seq_len=msg["seq_len"], prefill_bucket=bucket, spec=spec,
+                         side=self.role if mode == "ssd" else None,
+                         shardings=(self.replicated, self.replicated),
+                         greedy_only=msg["greedy_only"], penalties=msg["penalties"], **links)
 
     def run(self, req: dict):
         """One request: this side's loop of the mode, over the same core functions as the
