@@ -338,8 +338,8 @@ class EngineConfig:
     # costs: 53 vs 70 ms per token with 32768 of 151936 columns); None keeps it whole.
     draft_vocab: int | None = None
     # More rows than max_batch in one generate call: decode them as one continuous batch of
-    # max_batch slots, a row joining as soon as another ends (in this process or the worker
-    # processes; a pod runs consecutive batches). False: consecutive batches.
+    # max_batch slots, a row joining as soon as another ends (in this process, the worker
+    # processes or a pod). False: consecutive batches.
     continuous: bool = True
 
     def __post_init__(self):

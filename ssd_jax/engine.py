@@ -839,7 +839,8 @@ class Engine:
         batch), with the settings it resolved (automatic ones chosen for `slots`): in this
         process, in the worker processes (runtime/pool_live.py) or across a pod, by `driver`
         (None: `mode`'s). `seq_len`: its cache (None: the context, max_seq_len);
-        `greedy_only` / `penalties`: its programs' flags (the defaults serve any request)."""
+        `greedy_only` / `penalties`: its programs' flags (the defaults serve any request; a
+        pod's batch keeps the defaults and the context, as its followers build it)."""
         from ssd_jax.core.live import LiveBatch
         spec, _ = self._spec_for(spec, mode, slots)
         if self.pod is not None:
@@ -861,13 +862,11 @@ class Engine:
     def continuous(self, mode: str, params: list[SamplingParams], stops: list[list[int]]
                    ) -> bool:
         """Whether a call of these rows decodes as one continuous batch (continuous.py):
-        more rows than max_batch, EngineConfig.continuous, a driver with live batches (this
-        process or the worker processes; a pod's offline runs stay consecutive batches), rows a
-        live batch holds (its fixed widths of stop ids and logit biases; the consecutive
-        batches hold any)."""
+        more rows than max_batch, EngineConfig.continuous, and rows a live batch holds (its
+        fixed widths of stop ids and logit biases; the consecutive batches hold any). Every
+        driver has live batches: this process, the worker processes, a pod."""
         from ssd_jax.core.live import BIAS_WIDTH, STOP_WIDTH
         return (len(params) > self.config.max_batch and self.config.continuous
-                and self.driver(mode) in ("single", "processes")
                 and all(len(s) <= STOP_WIDTH for s in stops)
                 and all(len(p.logit_bias) <= BIAS_WIDTH for p in params))
 
@@ -902,7 +901,8 @@ class Engine:
         spec, choice, (rows, _, seq_len) = self._live_plan(ids, params, mode, spec)
         self.last_choice = choice
         ran, settings, predicted = self._decide(mode, spec, choice, rows, params)
-        # `ran` runs where the asked mode's target runs (its driver), as in `run`.
+        # `ran` runs where the asked mode's target runs (its driver), as in `run`. On a pod the
+        # batch is the server's (its programs serve any row; the followers mirror it).
         live, _ = self.live(ran, rows, spec, seq_len=seq_len,
                             greedy_only=all(p.temperature == 0 for p in params),
                             penalties=any(p.penalized for p in params), driver=self.driver(mode))

@@ -292,9 +292,9 @@ class LLM:
                  sync_phases: bool | None = None) -> list[RequestOutput]:
         """Generate for prompts: one output per prompt, or n consecutive ones where its
         SamplingParams ask for n. More rows than EngineConfig.max_batch decode as one
-        continuous batch of max_batch slots, a row joining as soon as another ends (in this
-        process or the worker processes; pods, or EngineConfig(continuous=False), run
-        consecutive batches of max_batch rows), with a progress bar (the LLM's `progress`).
+        continuous batch of max_batch slots, a row joining as soon as another ends (with
+        EngineConfig(continuous=False): consecutive batches of max_batch rows), with a
+        progress bar (the LLM's `progress`).
         A row's answer is the same either way; a continuous run does not time its phases.
         Strings go through the chat template unless chat=False; token-id lists are used as
         they are. mode: "ar", "sd" or "ssd" (default: "sd" when a draft is loaded, else

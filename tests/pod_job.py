@@ -129,6 +129,10 @@ def main() -> int:
             out["prompt_logprobs"] = [o.prompt_logprobs and [d and sorted(d.items())
                                                              for d in o.prompt_logprobs]
                                       for o in res]
+        # More rows than max_batch: one continuous batch, the lead's live batch mirrored by
+        # the other processes, closed after (the server below opens another).
+        res = llm.generate(PROMPTS + SECOND, greedy, mode="ssd", chat=False)
+        out["continuous"] = [o.token_ids for o in res]
         if args.auto:
             res = llm.generate(PROMPTS, greedy, mode="ssd", chat=False, spec=SpecConfig())
             out["auto"] = [o.token_ids for o in res]

@@ -135,6 +135,7 @@ def _check(got: dict, oracle: dict) -> None:
     assert got["second"] == oracle["second"]
     assert got["second_compiles"] == 0  # a second batch of the same shapes reuses programs
     assert got["sampled_ssd"] == oracle["sampled_ssd"]
+    assert got["continuous"] == oracle["ar"] + oracle["second"]  # 6 rows, 4 slots
     # Automatic settings: step costs measured by both groups on their meshes, K chosen.
     assert got["auto"] == oracle["ar"]
     assert got["auto_settings"]["automatic"] and got["auto_settings"]["k"] >= 1

@@ -686,18 +686,21 @@ def test_ctrl_c_inside_a_gc_callback_still_ends_the_server():
     assert proc.stderr.strip().splitlines() == ["ssd-serve: interrupted"], proc.stderr
 
 
-def test_server_process_start_up_and_shutdown(tmp_path):
+def test_server_process_start_up_and_shutdown(served):
     """`ssd-serve` as a user starts it: a taken port or a bad one is one line before any
-    model loads; SIGTERM with a request decoding ends that request with an error event and
-    the process within seconds, not after the request's 2000 tokens."""
+    model loads; SSD on this CPU decodes in two worker processes (driver auto), and a greedy
+    answer equals offline AR's; SIGTERM with a request decoding ends that request with an
+    error event and the process, workers included, within seconds, not after the request's
+    2000 tokens."""
     import httpx
     import signal
     import subprocess
     import sys
     taken = _bound_socket()
     port = taken.getsockname()[1]
-    base = [sys.executable, "-m", "ssd_jax.serve", "--model", MODEL, "--mode", "ar",
-            "--slots", "1"]
+    base = [sys.executable, "-m", "ssd_jax.serve", "--model", MODEL, "--draft",
+            "smollm2-draft", "--mode", "ssd", "--k", "2", "--budget", "4", "--slots", "2",
+            "--max-logprobs", "-1"]  # (one warm-up request: fewer programs to compile)
     for extra, needle in ((["--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
                           (["--port", "70000"], "--port 70000 is invalid"),
                           (["--api-key", " "], "--api-key is empty")):
@@ -729,6 +732,12 @@ def test_server_process_start_up_and_shutdown(tmp_path):
         keyed = openai.OpenAI(base_url=url + "/v1", api_key="sk-test", max_retries=0)
         assert [m.id for m in keyed.models.list().data] == [MODEL]
         assert httpx.get(url + "/metrics").status_code == 200
+        workers = _children(proc.pid)
+        assert len(workers) == 2 and all("ssd_jax.runtime.worker" in c for c in workers.values())
+        prompt = PROMPTS[3]
+        text, n, _ = served[2][False, prompt]  # offline AR's answer, alone
+        got = keyed.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0)
+        assert got.choices[0].text == text
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000,
                 "ignore_eos": True, "temperature": 0, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60,
@@ -741,9 +750,33 @@ def test_server_process_start_up_and_shutdown(tmp_path):
         assert any('"server_error"' in line for line in rest), rest[-3:]
         # uvicorn re-raises the signal once it has shut down: the status says SIGTERM ended it
         assert proc.wait(30) in (0, -signal.SIGTERM) and time.time() - t0 < 20
+        deadline = time.time() + 10  # the workers die with it (PR_SET_PDEATHSIG)
+        while not all(map(_gone, workers)) and time.time() < deadline:
+            time.sleep(0.2)
+        assert all(map(_gone, workers))
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _gone(pid: int) -> bool:
+    """Ended: no such process, or a zombie (exited; its new parent may never reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The child processes of `pid` and their command lines (Linux /proc)."""
+    out = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            for child in f.read().split():
+                with open(f"/proc/{child}/cmdline", "rb") as c:
+                    out[int(child)] = c.read().replace(b"\0", b" ").decode()
+    return out
 
 
 @pytest.mark.slow  # ~2-3 min: two servers, each a two-process pod that loads and compiles

@@ -90,6 +90,7 @@ class Live(Protocol):
     """What drives a live batch (continuous.py, the server's scheduler) calls: a LiveBatch in
     this process, or one across processes (runtime/pool_live.py, runtime/pod_live.py)."""
     slots: int
+    mode: str
 
     def free_slots(self) -> list[int]: ...
 

@@ -29,7 +29,7 @@ class LeadLive:
 
     def __init__(self, live, stream: Stream, failed: Callable[[BaseException], None]):
         self.live, self.stream, self._failed = live, stream, failed
-        self.slots, self.closed = live.slots, False
+        self.slots, self.mode, self.closed = live.slots, live.mode, False
 
     def free_slots(self) -> list[int]:
         return self.live.free_slots()

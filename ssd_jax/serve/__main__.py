@@ -1,7 +1,9 @@
 """python -m ssd_jax.serve --model M --draft D --mode ar|sd|ssd --host 127.0.0.1 --port N
 
-On a pod (every host runs the same command; `--mesh NT,ND` spans processes) the target group's
-first process serves HTTP and the others run their part of each round (runtime/pod_live.py)."""
+On a CPU, SSD's target and draft run in two pinned worker processes (`--driver auto`, as
+offline; runtime/pool_live.py), the only way they overlap there. On a pod (every host runs the
+same command; `--mesh NT,ND` spans processes) the target group's first process serves HTTP and
+the others run their part of each round (runtime/pod_live.py)."""
 from __future__ import annotations
 
 import argparse
@@ -33,6 +35,9 @@ def parser() -> argparse.ArgumentParser:
     a("--dtype", default="float32", choices=["float32", "bfloat16"])
     a("--draft-vocab", type=int, default=None, metavar="N",
       help="cut the draft's LM head to its N most frequent tokens (cheaper draft steps)")
+    a("--driver", default="auto", choices=["auto", "single", "processes"],
+      help="where rounds run: auto = two pinned worker processes for SSD on a CPU, else "
+           "this process")
     a("--mesh", default=None, metavar="NT,ND",
       help="target devices, draft devices (a pod: meshes across the job's processes)")
     a("--api-key", default=os.environ.get(API_KEY_ENV) or None,
@@ -109,7 +114,7 @@ def _main(argv) -> int:
         mesh = parse_mesh(args.mesh)
         spec = SpecConfig(k=args.k, budget=args.budget)
         llm = LLM(args.model, draft=draft, dtype=args.dtype, spec=spec, engine=EngineConfig(
-            max_batch=args.slots, max_seq_len=args.max_seq_len, driver="single", mesh=mesh,
+            max_batch=args.slots, max_seq_len=args.max_seq_len, driver=args.driver, mesh=mesh,
             draft_vocab=args.draft_vocab))
         if not llm.is_lead:  # a pod process other than the lead: it runs its part of rounds
             if sock is not None:

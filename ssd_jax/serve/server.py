@@ -18,7 +18,8 @@ log = logging.getLogger(__name__)
 
 
 class Server:
-    """`llm`: an ssd_jax.LLM (run in this process: EngineConfig(driver="single")); `slots`:
+    """`llm`: an ssd_jax.LLM (its driver decides where rounds run: this process, the worker
+    processes (SSD on a CPU by default) or a pod; the HTTP side is always here); `slots`:
     rows decoding at once; `max_queue`: requests that may wait for a slot (more: 429);
     `max_logprobs`: the most top alternatives per token a request may ask for (the width the
     target's programs return while a request wants log-probabilities; -1: none served);
