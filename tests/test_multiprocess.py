@@ -89,11 +89,11 @@ def test_two_process_ssd_equals_ar(paths, workers):
 
 def test_generate_past_max_batch_is_one_continuous_batch_in_the_workers(paths, workers):
     """More rows than max_batch decode as one continuous batch in the worker processes
-    (runtime/pool_live.py; SSD's sides in two workers, AR and SD in the target's): greedy
-    rows, one ended by a stop token and one by a stop string, give one process's AR answer
-    alone, in fewer rounds than consecutive batches; seeded sampled SSD rows with
-    log-probabilities give what they give alone in one process. The workers outlive the
-    live batches (an ordinary run follows), not a worker's death."""
+    (runtime/pool_live.py; SSD's sides in two workers, AR in the target's). In one SSD call,
+    greedy rows (one ended by a stop token, one by a stop string) give one process's AR
+    answer alone, and seeded sampled rows with log-probabilities what they give alone in one
+    process; AR takes fewer steps than consecutive batches. The workers outlive the live
+    batches (an ordinary run follows), not a worker's death."""
     target, draft = paths
     llm = workers
     prompts = PROMPTS + [[3, 1, 4, 1, 5, 9, 2, 6], [100, 2, 60]]
@@ -108,29 +108,31 @@ def test_generate_past_max_batch_is_one_continuous_batch_in_the_workers(paths, w
     greedy[3] = SamplingParams(max_new_tokens=9, ignore_eos=True, stop=stop_str)
     cut = next(j for j in range(1, 10) if stop_str in single.prompts.text(alone[3][:j]))
     want = alone[:2] + [alone[2][:alone[2].index(stop_tok) + 1], alone[3][:cut], alone[4]]
+    assert llm.core.continuous("ar", greedy, [[]] * 5)
+    got = llm.generate(prompts, greedy, mode="ar", chat=False)
+    assert [o.token_ids for o in got] == want
+    assert [o.finish_reason for o in got][2:] == ["stop", "stop", "length"]
+    m = got[0].metrics
+    assert m.batch == 5 and all(o.metrics is m for o in got)
     # Consecutive batches of 4 would take the longest row's steps in each.
-    consecutive = max(len(w) for w in want[:4]) - 1 + len(want[4]) - 1
-    sampled = [SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=1.0, seed=i,
-                              logprobs=2) for i, n in enumerate(lengths)]
-    want_sampled = [single.generate([t], p, mode="ssd", chat=False)[0]
-                    for t, p in zip(prompts, sampled)]
-    assert llm.core.continuous("ssd", greedy, [[]] * 5)
-    for mode in ("ssd", "sd", "ar"):
-        got = llm.generate(prompts, greedy, mode=mode, chat=False)
-        assert [o.token_ids for o in got] == want, mode
-        assert [o.finish_reason for o in got][2:] == ["stop", "stop", "length"]
-        m = got[0].metrics
-        assert m.batch == 5 and all(o.metrics is m for o in got)
-        if mode == "ar":
-            assert m.decode_steps < consecutive
-        if mode == "ssd":
-            assert m.ssd.hit_rate > 0
-    got = llm.generate(prompts, sampled, mode="ssd", chat=False)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want_sampled]
-    for a, g in zip(want_sampled, got):
-        for x, y in zip(a.logprobs, g.logprobs):
-            assert x.keys() == y.keys()
-            assert np.allclose([x[t] for t in x], [y[t] for t in x], atol=1e-5)
+    assert m.decode_steps < max(len(w) for w in want[:4]) - 1 + len(want[4]) - 1
+    # SSD, rows 1 and 4 sampled (seeded, with log-probabilities) beside the greedy ones.
+    mixed = list(greedy)
+    for i in (1, 4):
+        mixed[i] = SamplingParams(max_new_tokens=lengths[i], ignore_eos=True, temperature=1.0,
+                                  seed=i, logprobs=2)
+    sampled = {i: single.generate([prompts[i]], mixed[i], mode="ssd", chat=False)[0]
+               for i in (1, 4)}
+    got = llm.generate(prompts, mixed, mode="ssd", chat=False)
+    for i, o in enumerate(got):
+        if i in sampled:
+            assert o.token_ids == sampled[i].token_ids
+            for x, y in zip(sampled[i].logprobs, o.logprobs, strict=True):
+                assert x.keys() == y.keys()
+                assert np.allclose([x[t] for t in x], [y[t] for t in x], atol=1e-5)
+        else:
+            assert o.token_ids == want[i], i
+    assert got[0].metrics.ssd.hit_rate > 0
     plain = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths[:3]]
     out = llm.generate(prompts[:3], plain, mode="ssd", chat=False)
     assert [o.token_ids for o in out] == alone[:3]
