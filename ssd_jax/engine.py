@@ -859,8 +859,7 @@ class Engine:
                          prefill_bucket=self.config.prefill_bucket, spec=spec, link=link,
                          greedy_only=greedy_only, penalties=penalties), spec
 
-    def continuous(self, mode: str, params: list[SamplingParams], stops: list[list[int]]
-                   ) -> bool:
+    def continuous(self, params: list[SamplingParams], stops: list[list[int]]) -> bool:
         """Whether a call of these rows decodes as one continuous batch (continuous.py):
         more rows than max_batch, EngineConfig.continuous, and rows a live batch holds (its
         fixed widths of stop ids and logit biases; the consecutive batches hold any). Every

@@ -226,7 +226,7 @@ class LLM:
         out, reason, lps = got.out, got.reason, got.lps
         stop_ids = [self.prompts.stop_ids(p) for p in params]
         stops = [set(s) for s in stop_ids]
-        if self.core.continuous(mode, params, stop_ids):
+        if self.core.continuous(params, stop_ids):
             # A row this loop has ended frees its slot for the next (continuous.py).
             chunks = self.core.run_continuous(ids, params, stop_ids, mode,
                                               self._call_spec(spec),
@@ -307,7 +307,7 @@ class LLM:
         for b in batches:  # every row fits before any runs: no answers lost to a late error
             check_fits(ids[b], params[b], mode, self.engine,
                        self.core.model_config.max_position_embeddings, spec.k or 0)
-        if self.core.continuous(mode, params, [self.prompts.stop_ids(p) for p in params]):
+        if self.core.continuous(params, [self.prompts.stop_ids(p) for p in params]):
             batches = [slice(0, len(ids))]  # one continuous batch of max_batch slots
         bar = None
         if len(ids) > size and self.core.progress:
@@ -354,7 +354,7 @@ class LLM:
         ids, params = self._prepare(prompts, sampling_params, chat)
         size = self.engine.max_batch
         stops = [self.prompts.stop_ids(p) for p in params]
-        if self.core.continuous(mode, params, stops):  # the first rows' joins and a round
+        if self.core.continuous(params, stops):  # the first rows' joins and a round
             chunks = self.core.run_continuous(ids, params, stops, mode, spec, lambda i: False)
         else:
             chunks = self._run(ids[:size], params[:size], mode, spec, sync)
@@ -377,7 +377,7 @@ class LLM:
         mode, spec, _ = self._call(mode, spec, None)
         ids, params = self.prompts.prepare(prompts, sampling_params, chat, draw_seeds=False)
         size = self.engine.max_batch
-        if self.core.continuous(mode, params, [self.prompts.stop_ids(p) for p in params]):
+        if self.core.continuous(params, [self.prompts.stop_ids(p) for p in params]):
             return self.core.live_shapes(ids, params, mode, spec)
         return self.core.shapes(ids[:size], params[:size], mode, spec)
 

@@ -162,9 +162,9 @@ def test_more_rows_than_max_batch(tiny, capsys):
     assert "generate (ar)" in capsys.readouterr().err
     # Rows a live batch cannot hold (more stop ids than its width) run in consecutive batches.
     rows = [replace(p, n=1)] * 6
-    assert llm.core.continuous("ar", rows, [[2]] * 6)
-    assert not llm.core.continuous("ar", rows[:4], [[2]] * 4)
-    assert not llm.core.continuous("ar", rows, [[2]] * 5 + [list(range(17))])
+    assert llm.core.continuous(rows, [[2]] * 6)
+    assert not llm.core.continuous(rows[:4], [[2]] * 4)
+    assert not llm.core.continuous(rows, [[2]] * 5 + [list(range(17))])
     apart = LLM(llm.model, tokenizer=llm.tokenizer, engine=replace(ENGINE, continuous=False))
     got = apart.generate([a, b], p)
     assert [o.token_ids for o in got] == alone

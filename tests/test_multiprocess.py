@@ -108,7 +108,7 @@ def test_generate_past_max_batch_is_one_continuous_batch_in_the_workers(paths, w
     greedy[3] = SamplingParams(max_new_tokens=9, ignore_eos=True, stop=stop_str)
     cut = next(j for j in range(1, 10) if stop_str in single.prompts.text(alone[3][:j]))
     want = alone[:2] + [alone[2][:alone[2].index(stop_tok) + 1], alone[3][:cut], alone[4]]
-    assert llm.core.continuous("ar", greedy, [[]] * 5)
+    assert llm.core.continuous(greedy, [[]] * 5)
     got = llm.generate(prompts, greedy, mode="ar", chat=False)
     assert [o.token_ids for o in got] == want
     assert [o.finish_reason for o in got][2:] == ["stop", "stop", "length"]

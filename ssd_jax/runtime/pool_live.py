@@ -18,7 +18,7 @@ from ssd_jax.core.live import joining_row
 class WorkerLive:
     def __init__(self, pool, mode: str, slots: int, spec: SpecConfig, *, seq_len: int,
                  prefill_bucket: int, greedy_only: bool = False, penalties: bool = True):
-        self.pool, self.mode, self.spec = pool, mode, spec
+        self.pool, self.mode = pool, mode
         self.bucket, self.greedy_only, self.penalties = prefill_bucket, greedy_only, penalties
         self.roles = ("target", "draft") if mode == "ssd" else ("target",)
         self.closed = False
