@@ -118,6 +118,11 @@ def engine_config(args, split, max_batch: int):
             raise BenchError("--draft-vocab needs EngineConfig(draft_vocab=...), which this "
                              "ssd_jax version lacks: drop --draft-vocab")
         kw["draft_vocab"] = args.draft_vocab
+    if not getattr(args, "cpu_kernels", True):
+        if "cpu_kernels" not in fields:
+            raise BenchError("--no-cpu-kernels needs EngineConfig(cpu_kernels=...), which this "
+                             "ssd_jax version lacks: drop --no-cpu-kernels")
+        kw["cpu_kernels"] = False
     if split is not None:
         if "mesh" not in fields:
             raise BenchError("--target-devices/--draft-devices need EngineConfig(mesh=...), which "

@@ -84,6 +84,8 @@ def parser() -> argparse.ArgumentParser:
       help="SSD driver: one controller, or draft and target in two pinned processes")
     a("--draft-vocab", type=int, default=None, metavar="N",
       help="cut the draft's LM head to N columns: its most frequent tokens (a cheaper draft step for a large vocabulary, e.g. 32768 of Qwen2.5's 151936; lossless)")
+    a("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
+      help="use XLA's matrix products on a CPU, not ssd-jax's kernel for a few rows (slower: for A/B runs)")
     a("--sweep-k", type=_list(int, "--sweep-k"), default=[], metavar="K,K,...")
     a("--sweep-budget", type=_list(int, "--sweep-budget"), default=[], metavar="M,M,...")
     a("--sweep-temperature", type=_list(float, "--sweep-temperature"), default=[],
@@ -293,7 +295,7 @@ def run(args, argv) -> dict:
                     output_len=args.output_len, seed=args.seed, driver=driver,
                     device_split=split, prefill_bucket=args.prefill_bucket,
                     sync_every=args.sync_every, dtype=args.dtype, draft_vocab=args.draft_vocab,
-                    ignore_eos=not args.stop_at_eos, prompt_encoding=how,
+                    cpu_kernels=args.cpu_kernels, ignore_eos=not args.stop_at_eos, prompt_encoding=how,
                     interleaved=args.interleave,
                     torch_threads=threads if args.peers else None),
         base=dataclasses.asdict(points[0]), points=[dataclasses.asdict(p) for p in points],

@@ -94,6 +94,8 @@ def main(argv=None) -> int:
                     help="target devices, draft devices (e.g. 7,1 on an 8-GPU node)")
     ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                     help="cut the draft's LM head to N columns: its most frequent tokens (a cheaper draft step for a large vocabulary, e.g. 32768 of Qwen2.5's 151936; lossless)")
+    ap.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
+                    help="use XLA's matrix products on a CPU, not ssd-jax's kernel for a few rows (slower: for A/B runs)")
     ap.add_argument("--max-seq-len", type=int, default=1024, help="context (KV cache) length")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -136,7 +138,8 @@ def main(argv=None) -> int:
         llm = LLM(args.model, draft=args.draft if need_draft else None, spec=spec,
                   dtype=args.dtype, engine=EngineConfig(driver=driver, mesh=mesh,
                                                         max_seq_len=args.max_seq_len,
-                                                        draft_vocab=args.draft_vocab))
+                                                        draft_vocab=args.draft_vocab,
+                                                        cpu_kernels=args.cpu_kernels))
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {_cli_words(e)}", file=sys.stderr)
         return 2

@@ -141,23 +141,24 @@ class Engine:
     @property
     def runner(self) -> ModelRunner:
         """The target's programs on the target mesh."""
-        return self._runner("target", lambda: ModelRunner(self.model,
-                                                          self.split and self.split.target))
+        return self._runner("target", lambda: ModelRunner(
+            self.model, self.split and self.split.target, self.config.cpu_kernels))
 
     @property
     def draft_runner(self) -> ModelRunner | None:
         """SSD's draft on the draft mesh (None without a draft)."""
         if not self.has_draft:
             return None
-        return self._runner("draft", lambda: ModelRunner(self._draft(),
-                                                         self.split and self.split.draft))
+        return self._runner("draft", lambda: ModelRunner(
+            self._draft(), self.split and self.split.draft, self.config.cpu_kernels))
 
     @property
     def sd_draft_runner(self) -> ModelRunner:
         """SD's draft shares the target mesh (SD and AR use the target's devices only)."""
         if self.split is None:
             return self.draft_runner
-        return self._runner("sd_draft", lambda: ModelRunner(self._draft(), self.split.target))
+        return self._runner("sd_draft", lambda: ModelRunner(
+            self._draft(), self.split.target, self.config.cpu_kernels))
 
     # ---------------------------------------------------------------- modes and drivers
     def resolve_mode(self, mode: str | None) -> str:
@@ -183,6 +184,16 @@ class Engine:
             raise ValueError("driver='processes' needs the target and draft given by name or "
                              "path (worker processes load them): pass strings, not models")
         return d
+
+    def _cpu_kernel(self) -> bool:
+        """Whether the models' products run on the CPU kernel (runner.py packs them for it
+        where a side has one CPU device)."""
+        if not self.config.cpu_kernels or jax.default_backend() != "cpu":
+            return False
+        if self.config.mesh is not None and max(self.config.mesh) > 1:
+            return False
+        from ssd_jax.kernels import cpu
+        return cpu.available()
 
     def close(self) -> None:
         """Stop worker processes, if any were started; in a pod, the lead stops the followers."""
@@ -396,7 +407,8 @@ class Engine:
         if self.pool is None:
             self.pool = WorkerPool(self.paths[0], self.paths[1], dtype=self.dtype,
                                    devices_per_worker=self.config.worker_devices,
-                                   draft_vocab=self.config.draft_vocab)
+                                   draft_vocab=self.config.draft_vocab,
+                                   cpu_kernels=self.config.cpu_kernels)
         return self.pool
 
     # ---------------------------------------------------------------- automatic settings
@@ -421,6 +433,8 @@ class Engine:
         split = driver if self.config.mesh is None else f"{driver}:{self.config.mesh}"
         if self.pod is not None:  # which processes hold the meshes matters too
             split += f":{self.pod.n_processes}x{jax.local_device_count()}"
+        if self._cpu_kernel():  # the CPU kernel changes every step's cost
+            split += ", cpu kernel"
         if sampled:
             split += ", sampled"
         return autotune.cache_key(*names, rows, self.dtype, split), names, split

@@ -114,12 +114,29 @@ def decode_step(graphdef, params, rows: RowState, cache: KVCache, req: Requests,
     return new, new_kv, lp
 
 
+def _place_weights(model, mesh, cpu_kernels: bool) -> bool:
+    """Pack `model` for the CPU kernel (kernels/cpu.py) where its programs run on one CPU
+    device, or unpack it for a mesh of several (the same model may serve both: SSD's draft on
+    its own device and SD's on the target's). Returns whether it is packed."""
+    from ssd_jax.models.packing import is_packed, pack_model, unpack_model
+    devices = jax.devices() if mesh is None else list(mesh.devices.flat)
+    one_cpu = (mesh is None or len(devices) == 1) and devices[0].platform == "cpu"
+    if one_cpu and cpu_kernels:
+        from ssd_jax.kernels import cpu
+        if is_packed(model) or (cpu.available() and pack_model(model) > 0):
+            return True
+    if is_packed(model):
+        unpack_model(model)
+    return False
+
+
 class ModelRunner:
     """Holds one model's split params (sharded over `mesh`, if given) and dispatches its
     programs."""
 
-    def __init__(self, model: Transformer | DraftModel, mesh=None):
+    def __init__(self, model: Transformer | DraftModel, mesh=None, cpu_kernels: bool = True):
         self.config: ModelConfig = model.config
+        self.packed = _place_weights(model, mesh, cpu_kernels)
         graphdef, self.params = nnx.split(model)
         self.mesh = mesh
         if mesh is not None:  # tensor-parallel (or replicated) over this mesh

@@ -17,6 +17,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from ssd_jax.config import ModelConfig
+from ssd_jax.kernels.cpu import packed_matmul
 from ssd_jax.models.attention import AttentionFn, select_attention
 from ssd_jax.models.rope import apply_rope, inverse_frequencies
 
@@ -73,9 +74,21 @@ class RMSNorm(nnx.Module):
         return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def _linear(din: int, dout: int, dtype, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
+class Linear(nnx.Linear):
+    """nnx.Linear whose kernel may be packed for the CPU kernel ([N/64, K, 64]: packing.py);
+    an unpacked [K, N] kernel takes nnx.Linear's own product."""
+
+    def __call__(self, x: Float[Array, "... K"]) -> Float[Array, "... N"]:
+        kernel = self.kernel[...]
+        if kernel.ndim == 2:
+            return super().__call__(x)
+        y = packed_matmul(x, kernel).astype(x.dtype)
+        return y if self.bias is None else y + self.bias[...]
+
+
+def _linear(din: int, dout: int, dtype, rngs: nnx.Rngs, bias: bool = False) -> Linear:
     # A random init gives biases small random values too (zeros would leave them untested).
-    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype,
+    return Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype,
                       kernel_init=nnx.initializers.normal(0.02),
                       bias_init=nnx.initializers.normal(0.02), rngs=rngs)
 
@@ -155,6 +168,7 @@ class Transformer(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
         self.lm_head = (None if config.tie_embeddings
                         else _linear(config.hidden_size, config.vocab_size, dt, rngs))
+        self.packed_head = nnx.data(None)  # a tied head's packed copy of the embedding, on a CPU
 
     def __call__(
         self,
@@ -199,7 +213,9 @@ class Transformer(nnx.Module):
         """fp32 logits of the hidden states at `logit_index` (None: all of them)."""
         if logit_index is not None:
             x = jnp.take_along_axis(x, logit_index[..., None], axis=1)
-        if self.lm_head is None:
+        if self.lm_head is None and self.packed_head is not None:  # tied, packed (packing.py)
+            logits = packed_matmul(x, self.packed_head[...])
+        elif self.lm_head is None:
             logits = self.embed_tokens.attend(x)
         else:
             logits = self.lm_head(x)

@@ -30,6 +30,7 @@ def main(argv=None) -> int:
     ap.add_argument("--core", type=int, default=None)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--draft-vocab", type=int, default=None)
+    ap.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false")
     args = ap.parse_args(argv)
     die_with_parent()
     prefer_wide_vectors()  # before JAX starts its backend
@@ -86,11 +87,13 @@ class _Server:
         # The target role needs the draft only for SD: load it then, not for AR/SSD, so the two
         # processes together hold each model once (a 1.5B + 0.5B pair is ~9.6 GB in fp32).
         self._load_draft = lambda: ModelRunner(
-            draft_for(load(args.draft, dtype=args.dtype)[0], self.vocab), self.mesh)
+            draft_for(load(args.draft, dtype=args.dtype)[0], self.vocab), self.mesh,
+            args.cpu_kernels)
         self._draft = self._load_draft() if self.role == "draft" else None
         self.target = None
         if self.role == "target":
-            self.target = ModelRunner(load(args.target, dtype=args.dtype)[0], self.mesh)
+            self.target = ModelRunner(load(args.target, dtype=args.dtype)[0], self.mesh,
+                                      args.cpu_kernels)
         self.exchange = Exchange(self.replicated)
         self.live = None  # this side of a continuous batch (runtime/pool_live.py), if open
 

@@ -35,6 +35,8 @@ def parser() -> argparse.ArgumentParser:
     a("--dtype", default="float32", choices=["float32", "bfloat16"])
     a("--draft-vocab", type=int, default=None, metavar="N",
       help="cut the draft's LM head to its N most frequent tokens (cheaper draft steps)")
+    a("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
+      help="use XLA's matrix products on a CPU, not ssd-jax's kernel for a few rows (slower: for A/B runs)")
     a("--driver", default="auto", choices=["auto", "single", "processes"],
       help="where rounds run: auto = two pinned worker processes for SSD on a CPU, else "
            "this process")
@@ -115,7 +117,7 @@ def _main(argv) -> int:
         spec = SpecConfig(k=args.k, budget=args.budget)
         llm = LLM(args.model, draft=draft, dtype=args.dtype, spec=spec, engine=EngineConfig(
             max_batch=args.slots, max_seq_len=args.max_seq_len, driver=args.driver, mesh=mesh,
-            draft_vocab=args.draft_vocab))
+            draft_vocab=args.draft_vocab, cpu_kernels=args.cpu_kernels))
         if not llm.is_lead:  # a pod process other than the lead: it runs its part of rounds
             if sock is not None:
                 sock.close()

@@ -1,0 +1,1 @@
+"""ssd-jax's own compiled kernels (XLA FFI handlers), used where XLA's are the bottleneck."""
