@@ -19,7 +19,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int, Shaped
 
 from ssd_jax.config import ModelConfig
-from ssd_jax.models.transformer import KVCache, Transformer
+from ssd_jax.models.transformer import KVCache, Linear, Transformer
 
 
 @dataclass(frozen=True, eq=False)
@@ -212,6 +212,9 @@ def shorten_head(model: Transformer, vocab: ShortList) -> Transformer:
     an untied head of the listed rows. Returns a new model; `model` is left as it was."""
     emb = model.embed_tokens.embedding.get_value()
     kernel = (emb.T if model.lm_head is None else model.lm_head.kernel.get_value())
+    if kernel.ndim == 3:  # packed for the CPU kernel by a runner (models/packing.py)
+        from ssd_jax.kernels.cpu import unpack
+        kernel = unpack(kernel, model.lm_head.out_features)
     ids = np.asarray(vocab.to_target[:-1])
     if kernel.shape[1] <= ids.max():
         raise ValueError(f"the short list names token {ids.max()} but the draft's head has "
@@ -220,7 +223,7 @@ def shorten_head(model: Transformer, vocab: ShortList) -> Transformer:
                             jnp.zeros((kernel.shape[0], 1), kernel.dtype)], axis=1)
     graphdef, state = nnx.split(model)
     short = nnx.merge(graphdef, state)  # a copy sharing the (immutable) arrays
-    head = nnx.Linear(kernel.shape[0], cols.shape[1], use_bias=False, dtype=kernel.dtype,
+    head = Linear(kernel.shape[0], cols.shape[1], use_bias=False, dtype=kernel.dtype,
                       param_dtype=kernel.dtype, rngs=nnx.Rngs(0))
     head.kernel.set_value(cols)
     short.lm_head = nnx.data(head)  # a tied model had None here (a static field)

@@ -28,10 +28,10 @@ def _rand(*shape, seed=0):
 
 @needs_kernel
 @pytest.mark.parametrize("M", [1, 2, 5, 6, 7, 13])
-@pytest.mark.parametrize("K,N", [(96, 64), (200, 192)])
+@pytest.mark.parametrize("K,N", [(96, 64), (200, 192), (64, 129)])
 def test_packed_product_matches_numpy(M, K, N):
     x, w = _rand(M, K), _rand(K, N, seed=1)
-    got = np.asarray(cpu.packed_matmul(jnp.asarray(x), cpu.pack(jnp.asarray(w))))
+    got = np.asarray(cpu.packed_matmul(jnp.asarray(x), cpu.pack(jnp.asarray(w)), N))
     want = x.astype(np.float64) @ w.astype(np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(K))
 
@@ -61,11 +61,16 @@ def test_pack_layout_and_round_trip():
     assert float(p[1, 3, 7]) == float(w[3, 64 + 7])
     assert np.array_equal(np.asarray(cpu.unpack(p)), np.asarray(w))
     assert np.array_equal(np.asarray(cpu.pack_rows(w.T)), np.asarray(p))
-    assert not cpu.packable(jnp.zeros((5, 100))) and not cpu.packable(jnp.zeros((5, 64), jnp.bfloat16))
+    # A width that is not a multiple of 64 (a short-list head's 32768 + 1) is padded with zeros.
+    odd = jnp.asarray(_rand(5, 70))
+    assert cpu.pack(odd).shape == (2, 5, 64) and float(jnp.abs(cpu.pack(odd)[1, :, 6:]).max()) == 0
+    assert np.array_equal(np.asarray(cpu.unpack(cpu.pack(odd), 70)), np.asarray(odd))
+    assert np.array_equal(np.asarray(cpu.pack_rows(odd.T)), np.asarray(cpu.pack(odd)))
+    assert cpu.packable(odd) and not cpu.packable(jnp.zeros((5, 64), jnp.bfloat16))
 
 
 def _config(**kw):
-    return ModelConfig(**dict(arch="qwen2", vocab_size=320, hidden_size=128, intermediate_size=192,
+    return ModelConfig(**dict(arch="qwen2", vocab_size=300, hidden_size=128, intermediate_size=192,
                               num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, **kw))
 
 

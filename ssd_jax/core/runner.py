@@ -132,7 +132,9 @@ def _place_weights(model, mesh, cpu_kernels: bool) -> bool:
 
 class ModelRunner:
     """Holds one model's split params (sharded over `mesh`, if given) and dispatches its
-    programs."""
+    programs. On one CPU device (and `cpu_kernels`) the model's fp32 weights are packed for
+    the CPU kernel in place, so the model and the runner share them; such a model still runs
+    forward, but has no gradient (pass cpu_kernels=False for a model you will train)."""
 
     def __init__(self, model: Transformer | DraftModel, mesh=None, cpu_kernels: bool = True):
         self.config: ModelConfig = model.config

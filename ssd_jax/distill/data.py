@@ -369,7 +369,10 @@ def onpolicy_batch(target_runner, draft, prompts: list[list[int]], cfg: DataConf
     to_target = np.zeros(draft.oov + 1, np.int32)
     inside = np.flatnonzero(to_draft != draft.oov)
     to_target[to_draft[inside]] = inside
-    answers = draft_generate(ModelRunner(draft.model), [to_draft[p].tolist() for p in prompts],
+    # XLA's products: the draft may be trained on after this, and a model packed for the CPU
+    # kernel (runner.py) has no gradient.
+    answers = draft_generate(ModelRunner(draft.model, cpu_kernels=False),
+                             [to_draft[p].tolist() for p in prompts],
                              cfg, temperature=temperature, stop_ids=to_draft[stop_ids], seed=seed,
                              banned=draft.oov)
     seqs = [p + to_target[a[len(p):]].tolist() for p, a in zip(prompts, answers)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from functools import partial
 import hashlib
 import logging
 import os
@@ -101,34 +102,44 @@ def available() -> bool:
 
 
 def packable(w: jax.Array) -> bool:
-    """Whether a [K, N] weight can take the packed layout (fp32, N a multiple of BLOCK)."""
-    return w.ndim == 2 and w.dtype == jnp.float32 and w.shape[1] % BLOCK == 0
+    """Whether a [K, N] weight can take the packed layout (fp32)."""
+    return w.ndim == 2 and w.dtype == jnp.float32
+
+
+def _blocks(n: int) -> int:
+    return -(-n // BLOCK)
 
 
 @jax.jit
 def pack(w: Float[Array, "K N"]) -> Float[Array, "NB K 64"]:
-    """[K, N] -> [N / 64, K, 64]: block b holds columns 64b..64b+63, row by row."""
+    """[K, N] -> [ceil(N / 64), K, 64]: block b holds columns 64b..64b+63, row by row; the
+    last block is padded with zero columns (a short-list head has 32768 + 1)."""
     K, N = w.shape
-    return w.reshape(K, N // BLOCK, BLOCK).transpose(1, 0, 2)
+    w = jnp.pad(w, ((0, 0), (0, _blocks(N) * BLOCK - N)))
+    return w.reshape(K, _blocks(N), BLOCK).transpose(1, 0, 2)
 
 
 @jax.jit
 def pack_rows(e: Float[Array, "N K"]) -> Float[Array, "NB K 64"]:
     """pack(e.T) without materialising e.T (a tied LM head from the embedding [V, D])."""
     N, K = e.shape
-    return e.reshape(N // BLOCK, BLOCK, K).transpose(0, 2, 1)
+    e = jnp.pad(e, ((0, _blocks(N) * BLOCK - N), (0, 0)))
+    return e.reshape(_blocks(N), BLOCK, K).transpose(0, 2, 1)
 
 
-@jax.jit
-def unpack(p: Float[Array, "NB K 64"]) -> Float[Array, "K N"]:
+@partial(jax.jit, static_argnames="n")
+def unpack(p: Float[Array, "NB K 64"], n: int | None = None) -> Float[Array, "K N"]:
+    """pack's inverse; `n`: the columns before padding (None: all)."""
     NB, K, _ = p.shape
-    return p.transpose(1, 0, 2).reshape(K, NB * BLOCK)
+    return p.transpose(1, 0, 2).reshape(K, NB * BLOCK)[:, :n]
 
 
-def packed_matmul(x: Float[Array, "*R K"], p: Float[Array, "NB K 64"]) -> Float[Array, "*R N"]:
-    """x @ unpack(p) by the kernel (fp32; any leading dims)."""
+def packed_matmul(x: Float[Array, "*R K"], p: Float[Array, "NB K 64"], n: int | None = None
+                  ) -> Float[Array, "*R N"]:
+    """x @ unpack(p, n) by the kernel (fp32; any leading dims)."""
     lead, K = x.shape[:-1], x.shape[-1]
     N = p.shape[0] * BLOCK
     rows = x.reshape(-1, K).astype(jnp.float32)
     y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows.shape[0], N), jnp.float32))(rows, p)
-    return y.reshape(*lead, N)
+    n = N if n is None else n
+    return y[:, :n].reshape(*lead, n)

@@ -46,6 +46,6 @@ def unpack_model(model: nnx.Module) -> None:
     """Undo pack_model (a model packed for one device, now to be sharded over several)."""
     for lin in _linears(model):
         if lin.kernel[...].ndim == 3:
-            lin.kernel.set_value(cpu.unpack(lin.kernel[...]))
+            lin.kernel.set_value(cpu.unpack(lin.kernel[...], lin.out_features))
     for t in _transformers(model):
         t.packed_head = nnx.data(None)

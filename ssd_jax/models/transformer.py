@@ -82,7 +82,7 @@ class Linear(nnx.Linear):
         kernel = self.kernel[...]
         if kernel.ndim == 2:
             return super().__call__(x)
-        y = packed_matmul(x, kernel).astype(x.dtype)
+        y = packed_matmul(x, kernel, self.out_features).astype(x.dtype)
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -214,7 +214,7 @@ class Transformer(nnx.Module):
         if logit_index is not None:
             x = jnp.take_along_axis(x, logit_index[..., None], axis=1)
         if self.lm_head is None and self.packed_head is not None:  # tied, packed (packing.py)
-            logits = packed_matmul(x, self.packed_head[...])
+            logits = packed_matmul(x, self.packed_head[...], self.config.vocab_size)
         elif self.lm_head is None:
             logits = self.embed_tokens.attend(x)
         else:
