@@ -341,8 +341,9 @@ class EngineConfig:
     # max_batch slots, a row joining as soon as another ends (in this process, the worker
     # processes or a pod). False: consecutive batches.
     continuous: bool = True
-    # fp32 products on one CPU device by ssd-jax's own kernel (kernels/cpu.py: 1.5B target,
-    # one vCPU, scoring 5 tokens 214 ms against 601 with XLA's, one token 210 against 302).
+    # fp32 products on one CPU device by ssd-jax's own kernel (kernels/cpu.py; the 1.5B target
+    # on one vCPU, bench.verify_cost: scoring 5 tokens 218 ms against 579 with XLA's, one
+    # token 218 against 278).
     # It is compiled at first use by the machine's C++ compiler; without one, XLA's (a warning
     # says so). False: XLA's everywhere.
     cpu_kernels: bool = True

@@ -224,7 +224,7 @@ def shorten_head(model: Transformer, vocab: ShortList) -> Transformer:
     graphdef, state = nnx.split(model)
     short = nnx.merge(graphdef, state)  # a copy sharing the (immutable) arrays
     head = Linear(kernel.shape[0], cols.shape[1], use_bias=False, dtype=kernel.dtype,
-                      param_dtype=kernel.dtype, rngs=nnx.Rngs(0))
+                  param_dtype=kernel.dtype, rngs=nnx.Rngs(0))
     head.kernel.set_value(cols)
     short.lm_head = nnx.data(head)  # a tied model had None here (a static field)
     return short

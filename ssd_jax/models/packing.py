@@ -1,6 +1,6 @@
 """Pack a model's weights for the CPU kernel (kernels/cpu.py), in place, and back.
 
-Packing replaces each fp32 Linear kernel [K, N] with its [N/64, K, 64] layout, and gives a tied
+Packing replaces each fp32 Linear kernel [K, N] with its [ceil(N/64), K, 64] layout, and gives a tied
 LM head a packed copy of the embedding (the lookup keeps the embedding as it is: one more
 [V, D] in memory, 0.9 GB for Qwen2.5-1.5B, for a head that costs as much as 1 row at 5 rows).
 In place, so the caller's model and the runner's params share one copy of the weights."""
@@ -36,7 +36,7 @@ def pack_model(model: nnx.Module) -> int:
     for t in _transformers(model):
         if t.lm_head is None and t.packed_head is None:
             e = t.embed_tokens.embedding[...]
-            if cpu.packable(e.T):
+            if cpu.packable(e):  # [V, D]: pack_rows packs its transpose
                 t.packed_head = nnx.data(nnx.Param(cpu.pack_rows(e)))
                 n += 1
     return n

@@ -89,8 +89,8 @@ class Linear(nnx.Linear):
 def _linear(din: int, dout: int, dtype, rngs: nnx.Rngs, bias: bool = False) -> Linear:
     # A random init gives biases small random values too (zeros would leave them untested).
     return Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype,
-                      kernel_init=nnx.initializers.normal(0.02),
-                      bias_init=nnx.initializers.normal(0.02), rngs=rngs)
+                  kernel_init=nnx.initializers.normal(0.02),
+                  bias_init=nnx.initializers.normal(0.02), rngs=rngs)
 
 
 class Attention(nnx.Module):
