@@ -123,6 +123,11 @@ def engine_config(args, split, max_batch: int):
             raise BenchError("--no-cpu-kernels needs EngineConfig(cpu_kernels=...), which this "
                              "ssd_jax version lacks: drop --no-cpu-kernels")
         kw["cpu_kernels"] = False
+    if getattr(args, "draft_precision", "fp32") != "fp32":
+        if "draft_precision" not in fields:
+            raise BenchError("--draft-precision needs EngineConfig(draft_precision=...), which "
+                             "this ssd_jax version lacks: drop --draft-precision")
+        kw["draft_precision"] = args.draft_precision
     if split is not None:
         if "mesh" not in fields:
             raise BenchError("--target-devices/--draft-devices need EngineConfig(mesh=...), which "

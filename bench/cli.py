@@ -86,6 +86,8 @@ def parser() -> argparse.ArgumentParser:
       help="cut the draft's LM head to N columns: its most frequent tokens (a cheaper draft step for a large vocabulary, e.g. 32768 of Qwen2.5's 151936; lossless)")
     a("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
       help="use XLA's matrix products on a CPU, not ssd-jax's kernel for a few rows (slower: for A/B runs)")
+    a("--draft-precision", default="fp32", choices=["fp32", "bf16"],
+      help="the draft's form on the CPU kernel: bf16 weights and inputs, fp32 sums (~1.7x cheaper draft steps; lossless)")
     a("--sweep-k", type=_list(int, "--sweep-k"), default=[], metavar="K,K,...")
     a("--sweep-budget", type=_list(int, "--sweep-budget"), default=[], metavar="M,M,...")
     a("--sweep-temperature", type=_list(float, "--sweep-temperature"), default=[],

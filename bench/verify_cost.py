@@ -1,7 +1,7 @@
 """Target verification cost vs number of scored tokens (CPU or accelerator).
 
     python -m bench.verify_cost [--model smollm2] [--max-k 8] [--cache 512] [--json PATH]
-                                [--core N] [--no-cpu-kernels]
+                                [--core N] [--no-cpu-kernels] [--precision bf16]
 
 Times the jitted target forward over T = 1..K+1 new tokens after a committed prefix (what an AR
 step and an SD/SSD verification cost), warmed up, median of repeats. On this CPU small-M matrix
@@ -31,6 +31,8 @@ def main(argv=None) -> int:
     ap.add_argument("--core", type=int, default=None, help="pin this process to one core")
     ap.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
                     help="XLA's matrix products, not ssd-jax's CPU kernel")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                    help="the CPU kernel's form (bf16: a draft's cheaper one)")
     args = ap.parse_args(argv)
     if args.max_k < 0 or args.repeats < 1 or args.cache < 2 * (args.max_k + 1):
         ap.error(f"--max-k {args.max_k}, --repeats {args.repeats}, --cache {args.cache}: need "
@@ -44,7 +46,8 @@ def main(argv=None) -> int:
     from ssd_jax.loading import load
     from ssd_jax.models import causal_mask
     from ssd_jax.core.runner import ModelRunner
-    runner = ModelRunner(load(args.model)[0], cpu_kernels=args.cpu_kernels)
+    runner = ModelRunner(load(args.model)[0], cpu_kernels=args.cpu_kernels,
+                         precision=args.precision)
     cache = runner.new_cache(1, args.cache)
     prefix = jnp.array([args.cache // 2])
     rows = []
@@ -60,7 +63,8 @@ def main(argv=None) -> int:
          [[str(r["tokens"]), f"{r['ms']:.1f}", f"{r['ms'] / rows[0]['ms']:.2f}x"] for r in rows],
          args.json, {"model": args.model, "cache": args.cache, "rows": rows,
                      "backend": jax.default_backend(), "core": args.core,
-                     "cpu_kernel": runner.packed})
+                     "cpu_kernel": runner.packed,
+                     "precision": args.precision if runner.packed else None})
     return 0
 
 

@@ -150,7 +150,8 @@ class Engine:
         if not self.has_draft:
             return None
         return self._runner("draft", lambda: ModelRunner(
-            self._draft(), self.split and self.split.draft, self.config.cpu_kernels))
+            self._draft(), self.split and self.split.draft, self.config.cpu_kernels,
+            self.config.draft_precision))
 
     @property
     def sd_draft_runner(self) -> ModelRunner:
@@ -158,7 +159,8 @@ class Engine:
         if self.split is None:
             return self.draft_runner
         return self._runner("sd_draft", lambda: ModelRunner(
-            self._draft(), self.split.target, self.config.cpu_kernels))
+            self._draft(), self.split.target, self.config.cpu_kernels,
+            self.config.draft_precision))
 
     # ---------------------------------------------------------------- modes and drivers
     def resolve_mode(self, mode: str | None) -> str:
@@ -408,7 +410,8 @@ class Engine:
             self.pool = WorkerPool(self.paths[0], self.paths[1], dtype=self.dtype,
                                    devices_per_worker=self.config.worker_devices,
                                    draft_vocab=self.config.draft_vocab,
-                                   cpu_kernels=self.config.cpu_kernels)
+                                   cpu_kernels=self.config.cpu_kernels,
+                                   draft_precision=self.config.draft_precision)
         return self.pool
 
     # ---------------------------------------------------------------- automatic settings
@@ -429,6 +432,8 @@ class Engine:
                                   self._draft_model and self._draft_model.config))]
         if self.config.draft_vocab is not None:  # a cut head is a cheaper draft step
             names[1] += f" (head {self.config.draft_vocab})"
+        if self._cpu_kernel() and self.config.draft_precision != "fp32":  # another draft
+            names[1] += f" ({self.config.draft_precision})"
         driver = self.driver(mode)
         split = driver if self.config.mesh is None else f"{driver}:{self.config.mesh}"
         if self.pod is not None:  # which processes hold the meshes matters too

@@ -1,5 +1,7 @@
 """The CPU kernel (ssd_jax/kernels/cpu.py) against numpy's float64 products, and the packed
-models it runs against the same models unpacked."""
+models it runs against the same models unpacked; its bf16 form (a draft's) against the same
+products of bf16-rounded inputs, and SD/SSD with a bf16 draft against AR and the target's
+distribution."""
 from __future__ import annotations
 
 import os
@@ -15,8 +17,9 @@ from ssd_jax.config import ModelConfig
 from ssd_jax.core.runner import ModelRunner
 from ssd_jax.kernels import cpu
 from ssd_jax.models import causal_mask
-from ssd_jax.models.packing import is_packed, pack_model, unpack_model
+from ssd_jax.models.packing import is_packed, pack_model, packed_precision, unpack_model
 from ssd_jax.models.transformer import KVCache, Transformer
+from tests.test_ssd import vocab6  # noqa: F401  (fixture)
 
 # A machine without a C++ compiler keeps XLA's products (the last test checks what it is told).
 needs_kernel = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler on this machine")
@@ -69,6 +72,44 @@ def test_pack_layout_and_round_trip():
     assert cpu.packable(odd) and not cpu.packable(jnp.zeros((5, 64), jnp.bfloat16))
 
 
+def _bf16(a: np.ndarray) -> np.ndarray:
+    """Round to bf16 (nearest even), back in float64: the bf16 form's inputs, exactly."""
+    return np.asarray(jnp.asarray(a).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+@needs_kernel
+@pytest.mark.parametrize("M", [1, 3, 6, 7, 13])
+@pytest.mark.parametrize("K,N", [(96, 64), (200, 192), (64, 129)])
+def test_bf16_form_matches_numpy_on_rounded_inputs(M, K, N):
+    # Each product of two bf16 numbers is exact in fp32; only the fp32 sums round.
+    x, w = _rand(M, K), _rand(K, N, seed=1)
+    got = np.asarray(cpu.packed_matmul(jnp.asarray(x), cpu.pack(jnp.asarray(w), "bf16"), N))
+    np.testing.assert_allclose(got, _bf16(x) @ _bf16(w), rtol=1e-5, atol=1e-5 * np.sqrt(K))
+    # ... and far from the unrounded product: the inputs really were rounded.
+    assert np.abs(got - x.astype(np.float64) @ w).max() > 1e-3
+
+
+@needs_kernel
+def test_bf16_form_layout_round_trip_and_row_independence():
+    w = jnp.asarray(_rand(6, 70))
+    p = cpu.pack(w, "bf16")
+    assert p.shape == (2, 3, 64) and p.dtype == jnp.uint32 and cpu.precision_of(p) == "bf16"
+    # Rows 2i (low half) and 2i+1 (high half) of a column share a word.
+    word = int(p[1, 1, 5])
+    assert (word & 0xFFFF) == int(jnp.asarray(w[2, 69]).astype(jnp.bfloat16).view(jnp.uint16))
+    assert (word >> 16) == int(jnp.asarray(w[3, 69]).astype(jnp.bfloat16).view(jnp.uint16))
+    assert np.array_equal(np.asarray(cpu.unpack(p, 70), np.float64), _bf16(np.asarray(w)))
+    assert np.array_equal(np.asarray(cpu.pack_rows(w.T, "bf16")), np.asarray(p))
+    assert not cpu.packable(jnp.zeros((5, 64)), "bf16")  # rows pair up: K must be even
+    with pytest.raises(ValueError, match="precision='fp16' is unknown"):
+        cpu.pack(w, "fp16")
+    x = jnp.asarray(_rand(9, 320))
+    p = cpu.pack(jnp.asarray(_rand(320, 256, seed=1)), "bf16")
+    many = np.asarray(cpu.packed_matmul(x, p))
+    for i in range(9):
+        assert np.array_equal(np.asarray(cpu.packed_matmul(x[i:i + 1], p))[0], many[i])
+
+
 def _config(**kw):
     return ModelConfig(**dict(arch="qwen2", vocab_size=300, hidden_size=128, intermediate_size=192,
                               num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, **kw))
@@ -110,6 +151,20 @@ def test_runner_packs_on_one_cpu_device_and_not_when_asked_not_to():
 
 
 @needs_kernel
+def test_a_bf16_packed_model_is_close_to_fp32_and_repacks():
+    model = Transformer(_config(tie_embeddings=True), rngs=nnx.Rngs(0))
+    want = _logits(model)
+    runner = ModelRunner(model, precision="bf16")
+    assert runner.packed and packed_precision(model) == "bf16"
+    got = _logits(model)
+    assert not np.array_equal(got, want)
+    np.testing.assert_allclose(got, want, rtol=0.05, atol=0.05 * np.abs(want).max())
+    # Asked for fp32 now, the model is repacked from its rounded weights.
+    assert ModelRunner(model).packed and packed_precision(model) == "fp32"
+    np.testing.assert_allclose(_logits(model), got, rtol=0.05, atol=0.05 * np.abs(want).max())
+
+
+@needs_kernel
 def test_a_model_packed_for_one_device_is_unpacked_for_a_tensor_parallel_mesh():
     script = """
 import numpy as np, jax, jax.numpy as jnp
@@ -145,3 +200,56 @@ def test_a_missing_or_failing_compiler_is_one_clear_error(tmp_path, monkeypatch)
     with pytest.raises(cpu.KernelBuildError, match="false could not compile cpu_matmul.cc"):
         cpu.build(tmp_path / "k.so")
     assert list(tmp_path.iterdir()) == []  # no half-written library left behind
+
+
+# ---------------------------------------------------------------- SD/SSD with a bf16 draft
+
+@needs_kernel
+@pytest.mark.parametrize("driver", ["single", pytest.param("processes", marks=pytest.mark.slow)])
+def test_greedy_with_a_bf16_draft_equals_ar(driver):
+    """The bf16 draft (EngineConfig.draft_precision) is another draft: greedy SD and SSD still
+    give AR's tokens (AR with the fp32 target, in a separate LLM: nothing shared)."""
+    from ssd_jax import LLM, EngineConfig, SamplingParams
+    from ssd_jax.config import SpecConfig
+    prompts = ["def fibonacci(n):", "Name three rivers of Europe."]
+    p = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    want = [o.token_ids for o in LLM("smollm2", engine=EngineConfig(
+        max_batch=2, max_seq_len=256), progress=False).generate(prompts, p, mode="ar")]
+    llm = LLM("smollm2", draft="smollm2-draft", spec=SpecConfig(k=3, budget=6),
+              engine=EngineConfig(max_batch=2, max_seq_len=256, driver=driver,
+                                  draft_precision="bf16"), progress=False)
+    with llm:
+        for mode in ("sd", "ssd"):
+            out = llm.generate(prompts, p, mode=mode)
+            assert [o.token_ids for o in out] == want, (driver, mode)
+            assert out[0].metrics.acceptance > 0.0
+        if driver == "single":
+            assert llm.core.draft_runner.packed
+            assert packed_precision(llm.core._draft()) == "bf16"
+        else:
+            assert "--draft-precision bf16" in " ".join(llm.core.pool.procs["draft"].args)
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_sampled_with_a_bf16_draft_follows_target(vocab6, mode):  # noqa: F811
+    from ssd_jax import LLM, EngineConfig, SamplingParams
+    from ssd_jax.config import SpecConfig
+    from tests.oracles import chi2_pvalue, exact_sequence_probs
+    from tests.test_ssd import N_OUT
+    target, draft, hf_target = vocab6
+    draft = nnx.clone(draft)  # packed in place: the module's other tests keep theirs
+    llm = LLM(target, draft=draft, spec=SpecConfig(k=2, c=0.5, budget=4),
+              engine=EngineConfig(max_batch=64, max_seq_len=64, prefill_bucket=8, sync_every=4,
+                                  draft_precision="bf16"))
+    probs = exact_sequence_probs(hf_target, [1, 2, 3], 1.0, 1.0, N_OUT)
+    counts = {}
+    for start in range(0, 3200, 64):
+        outs = llm.generate([[1, 2, 3]] * 64, [SamplingParams(
+            temperature=1.0, max_new_tokens=N_OUT, seed=start + i, ignore_eos=True)
+            for i in range(64)], mode=mode)
+        for o in outs:
+            key = tuple(o.token_ids[:N_OUT])
+            counts[key] = counts.get(key, 0) + 1
+    assert packed_precision(draft) == "bf16"
+    assert chi2_pvalue(counts, probs) > 1e-3

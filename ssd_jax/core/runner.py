@@ -114,16 +114,19 @@ def decode_step(graphdef, params, rows: RowState, cache: KVCache, req: Requests,
     return new, new_kv, lp
 
 
-def _place_weights(model, mesh, cpu_kernels: bool) -> bool:
-    """Pack `model` for the CPU kernel (kernels/cpu.py) where its programs run on one CPU
-    device, or unpack it for a mesh of several (the same model may serve both: SSD's draft on
-    its own device and SD's on the target's). Returns whether it is packed."""
-    from ssd_jax.models.packing import is_packed, pack_model, unpack_model
+def _place_weights(model, mesh, cpu_kernels: bool, precision: str) -> bool:
+    """Pack `model` for the CPU kernel (kernels/cpu.py), in `precision`'s form, where its
+    programs run on one CPU device, or unpack it for a mesh of several (the same model may
+    serve both: SSD's draft on its own device and SD's on the target's). Returns whether it
+    is packed."""
+    from ssd_jax.models.packing import is_packed, pack_model, packed_precision, unpack_model
     devices = jax.devices() if mesh is None else list(mesh.devices.flat)
     one_cpu = (mesh is None or len(devices) == 1) and devices[0].platform == "cpu"
     if one_cpu and cpu_kernels:
         from ssd_jax.kernels import cpu
-        if is_packed(model) or (cpu.available() and pack_model(model) > 0):
+        if packed_precision(model) not in (None, precision):
+            unpack_model(model)  # packed the other way (bf16 weights unpack rounded)
+        if is_packed(model) or (cpu.available() and pack_model(model, precision) > 0):
             return True
     if is_packed(model):
         unpack_model(model)
@@ -134,11 +137,15 @@ class ModelRunner:
     """Holds one model's split params (sharded over `mesh`, if given) and dispatches its
     programs. On one CPU device (and `cpu_kernels`) the model's fp32 weights are packed for
     the CPU kernel in place, so the model and the runner share them; such a model still runs
-    forward, but has no gradient (pass cpu_kernels=False for a model you will train)."""
+    forward, but has no gradient (pass cpu_kernels=False for a model you will train).
+    precision="bf16" packs the kernel's bf16 form (weights and products' inputs in bf16, sums
+    in fp32): a cheaper draft, a different model but no less exact a speculation, since
+    verification uses the q each token was drawn from."""
 
-    def __init__(self, model: Transformer | DraftModel, mesh=None, cpu_kernels: bool = True):
+    def __init__(self, model: Transformer | DraftModel, mesh=None, cpu_kernels: bool = True,
+                 precision: str = "fp32"):
         self.config: ModelConfig = model.config
-        self.packed = _place_weights(model, mesh, cpu_kernels)
+        self.packed = _place_weights(model, mesh, cpu_kernels, precision)
         graphdef, self.params = nnx.split(model)
         self.mesh = mesh
         if mesh is not None:  # tensor-parallel (or replicated) over this mesh

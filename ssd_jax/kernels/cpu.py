@@ -29,13 +29,15 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Shaped
 
 log = logging.getLogger(__name__)
 
 BLOCK = 64  # columns per packed block (cpu_matmul.cc's kBlock)
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGET = "ssd_packed_matmul"
+TARGET_BF16 = "ssd_packed_matmul_bf16"  # the bf16 form (pack(w, "bf16"))
+PRECISIONS = ("fp32", "bf16")
 
 
 class KernelBuildError(RuntimeError):
@@ -94,6 +96,8 @@ def available() -> bool:
         lib = ctypes.cdll.LoadLibrary(str(path))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SsdPackedMatmul),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(TARGET_BF16, jax.ffi.pycapsule(lib.SsdPackedMatmulBf16),
+                                    platform="cpu")
         return True
     except (KernelBuildError, OSError, subprocess.SubprocessError) as e:
         log.warning("ssd-jax's CPU kernel is unavailable (%s); products over a few rows use "
@@ -101,45 +105,80 @@ def available() -> bool:
         return False
 
 
-def packable(w: jax.Array) -> bool:
-    """Whether a [K, N] weight can take the packed layout (fp32)."""
-    return w.ndim == 2 and w.dtype == jnp.float32
+def packable(w: jax.Array, precision: str = "fp32", rows: bool = False) -> bool:
+    """Whether a [K, N] fp32 weight (rows=True: an [N, K] one for pack_rows) can take the
+    packed layout (the bf16 form pairs rows: K even)."""
+    _check(precision)
+    return (w.ndim == 2 and w.dtype == jnp.float32
+            and (precision == "fp32" or w.shape[1 if rows else 0] % 2 == 0))
+
+
+def _check(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is unknown: use one of "
+                         f"{', '.join(PRECISIONS)}")
 
 
 def _blocks(n: int) -> int:
     return -(-n // BLOCK)
 
 
-@jax.jit
-def pack(w: Float[Array, "K N"]) -> Float[Array, "NB K 64"]:
+def _pairs(a: Array) -> Array:
+    """[..., 2] fp32 -> [...] uint32: the two rounded to bf16, the first in the low half."""
+    return jax.lax.bitcast_convert_type(a.astype(jnp.bfloat16), jnp.uint32)
+
+
+@partial(jax.jit, static_argnames="precision")
+def pack(w: Float[Array, "K N"], precision: str = "fp32") -> Shaped[Array, "NB _ 64"]:
     """[K, N] -> [ceil(N / 64), K, 64]: block b holds columns 64b..64b+63, row by row; the
-    last block is padded with zero columns (a short-list head has 32768 + 1)."""
+    last block is padded with zero columns (a short-list head has 32768 + 1). The bf16 form
+    rounds each weight to bf16 (to nearest even) and holds rows 2i, 2i+1 as one uint32 word:
+    [ceil(N / 64), K / 2, 64]."""
+    _check(precision)
     K, N = w.shape
     w = jnp.pad(w, ((0, 0), (0, _blocks(N) * BLOCK - N)))
-    return w.reshape(K, _blocks(N), BLOCK).transpose(1, 0, 2)
+    if precision == "fp32":
+        return w.reshape(K, _blocks(N), BLOCK).transpose(1, 0, 2)
+    return _pairs(w.reshape(K // 2, 2, _blocks(N), BLOCK).transpose(2, 0, 3, 1))
 
 
-@jax.jit
-def pack_rows(e: Float[Array, "N K"]) -> Float[Array, "NB K 64"]:
+@partial(jax.jit, static_argnames="precision")
+def pack_rows(e: Float[Array, "N K"], precision: str = "fp32") -> Shaped[Array, "NB _ 64"]:
     """pack(e.T) without materialising e.T (a tied LM head from the embedding [V, D])."""
+    _check(precision)
     N, K = e.shape
     e = jnp.pad(e, ((0, _blocks(N) * BLOCK - N), (0, 0)))
-    return e.reshape(_blocks(N), BLOCK, K).transpose(0, 2, 1)
+    if precision == "fp32":
+        return e.reshape(_blocks(N), BLOCK, K).transpose(0, 2, 1)
+    return _pairs(e.reshape(_blocks(N), BLOCK, K // 2, 2).transpose(0, 2, 1, 3))
+
+
+def precision_of(p: jax.Array) -> str:
+    """A packed weight's form: "fp32" or "bf16" (uint32 pairs)."""
+    return "bf16" if p.dtype == jnp.uint32 else "fp32"
 
 
 @partial(jax.jit, static_argnames="n")
-def unpack(p: Float[Array, "NB K 64"], n: int | None = None) -> Float[Array, "K N"]:
-    """pack's inverse; `n`: the columns before padding (None: all)."""
+def unpack(p: Shaped[Array, "NB _ 64"], n: int | None = None) -> Float[Array, "K N"]:
+    """pack's inverse, in fp32 (the bf16 form's weights stay rounded); `n`: the columns
+    before padding (None: all)."""
+    if p.dtype == jnp.uint32:
+        NB, K2, _ = p.shape
+        w = jax.lax.bitcast_convert_type(p, jnp.bfloat16).astype(jnp.float32)  # [NB, K2, 64, 2]
+        return w.transpose(1, 3, 0, 2).reshape(2 * K2, NB * BLOCK)[:, :n]
     NB, K, _ = p.shape
     return p.transpose(1, 0, 2).reshape(K, NB * BLOCK)[:, :n]
 
 
-def packed_matmul(x: Float[Array, "*R K"], p: Float[Array, "NB K 64"], n: int | None = None
+def packed_matmul(x: Float[Array, "*R K"], p: Shaped[Array, "NB _ 64"], n: int | None = None
                   ) -> Float[Array, "*R N"]:
-    """x @ unpack(p, n) by the kernel (fp32; any leading dims)."""
+    """x @ unpack(p, n) by the kernel (any leading dims). The bf16 form rounds x to bf16 too
+    and sums the products in fp32."""
     lead, K = x.shape[:-1], x.shape[-1]
     N = p.shape[0] * BLOCK
-    rows = x.reshape(-1, K).astype(jnp.float32)
-    y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows.shape[0], N), jnp.float32))(rows, p)
+    rows, target = x.reshape(-1, K).astype(jnp.float32), TARGET
+    if p.dtype == jnp.uint32:
+        rows, target = _pairs(rows.reshape(-1, K // 2, 2)), TARGET_BF16
+    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], N), jnp.float32))(rows, p)
     n = N if n is None else n
     return y[:, :n].reshape(*lead, n)

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <cstring>
 #include <thread>
 
 #include "xla/ffi/api/ffi.h"
@@ -32,9 +33,16 @@ constexpr int kAcc = 12;  // of 16 (AVX2)
 #endif
 constexpr int kBlock = 64;  // columns per packed block (the packed layout's width)
 typedef float vec __attribute__((vector_size(kLanes * 4), aligned(4)));
+typedef uint32_t uvec __attribute__((vector_size(kLanes * 4), aligned(4)));
 
 inline vec load(const float* p) { return *reinterpret_cast<const vec*>(p); }
 inline void store(float* p, vec v) { *reinterpret_cast<vec*>(p) = v; }
+inline vec as_float(uvec u) { return reinterpret_cast<const vec&>(u); }
+inline float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
 
 // y[m, 0:V*kLanes] for m < rows <= R, from a packed block p (K rows of kBlock floats, this
 // sub-block's columns starting at p). The R x V partial sums stay in registers.
@@ -54,9 +62,67 @@ inline void packed_rows(const float* x, const float* p, float* y, int rows, int6
     for (int v = 0; v < V; ++v) store(y + m * N + v * kLanes, acc[m][v]);
 }
 
-// Column blocks [b0, b1) of y.
+// The bf16 form: x and the weight in bf16, both as pairs (rows k, k+1) in one 32-bit word, low
+// half first; a packed block is K/2 words by kBlock columns. Each output adds its pairs' two
+// products, odd then even (each exact in fp32), to an fp32 sum: what AVX512-BF16's dpbf16
+// does in one instruction, twice the products per instruction of an fp32 FMA (the rows of a
+// tree step or a verification make these products compute-bound, not memory-bound).
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+
 template <int R, int V>
-void packed_matmul(const float* x, const float* w, float* y, int64_t M, int64_t K,
+inline void pair_rows(const uint32_t* x, const uint32_t* p, float* y, int rows, int64_t K2,
+                      int64_t N) {
+  __m512 acc[R][V];
+  for (int m = 0; m < R; ++m)
+    for (int v = 0; v < V; ++v) acc[m][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K2; ++k, p += kBlock) {
+    __m512bh w[V];
+    for (int v = 0; v < V; ++v) w[v] = (__m512bh)_mm512_loadu_si512(p + v * kLanes);
+    for (int m = 0; m < rows; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * K2 + k]));
+      for (int v = 0; v < V; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xv, w[v]);
+    }
+  }
+  for (int m = 0; m < rows; ++m)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(y + m * N + v * kLanes, acc[m][v]);
+}
+#else
+template <int R, int V>
+inline void pair_rows(const uint32_t* x, const uint32_t* p, float* y, int rows, int64_t K2,
+                      int64_t N) {
+  vec acc[R][V] = {};
+  const uvec high = uvec{} + 0xFFFF0000u;
+  for (int64_t k = 0; k < K2; ++k, p += kBlock) {
+    vec even[V], odd[V];
+    for (int v = 0; v < V; ++v) {
+      const uvec u = *reinterpret_cast<const uvec*>(p + v * kLanes);
+      even[v] = as_float(u << 16);
+      odd[v] = as_float(u & high);
+    }
+    for (int m = 0; m < rows; ++m) {
+      const vec xe = vec{} + bits_float(x[m * K2 + k] << 16);
+      const vec xo = vec{} + bits_float(x[m * K2 + k] & 0xFFFF0000u);
+      for (int v = 0; v < V; ++v) {
+        acc[m][v] += xo * odd[v];
+        acc[m][v] += xe * even[v];
+      }
+    }
+  }
+  for (int m = 0; m < rows; ++m)
+    for (int v = 0; v < V; ++v) store(y + m * N + v * kLanes, acc[m][v]);
+}
+#endif
+
+template <int R, int V>
+inline void packed_rows(const uint32_t* x, const uint32_t* p, float* y, int rows, int64_t K2,
+                        int64_t N) {
+  pair_rows<R, V>(x, p, y, rows, K2, N);
+}
+
+// Column blocks [b0, b1) of y.
+template <int R, int V, typename X, typename W>
+void packed_matmul(const X* x, const W* w, float* y, int64_t M, int64_t K,
                    int64_t blocks, int64_t b0, int64_t b1) {
   constexpr int kSub = V * kLanes;
   const int64_t N = blocks * kBlock;
@@ -100,16 +166,14 @@ void run_parts(ffi::ThreadPool& pool, int64_t parts, std::function<void(int64_t)
   while (job->done.load(std::memory_order_acquire) < parts) std::this_thread::yield();
 }
 
-// x [M, K] times a weight packed as [N / kBlock, K, kBlock] (pack in cpu.py): y [M, N].
-ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                            ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
+// x [M, K] times a weight packed as [N / kBlock, K, kBlock] (pack in cpu.py): y [M, N]. fp32
+// x and weights, or bf16 pairs of both (K counts pairs there).
+template <typename X, typename W>
+ffi::Error PackedMatmul(ffi::ThreadPool& pool, const X* xp, const W* wp, float* yp,
+                        ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd) {
   if (xd.size() != 2 || wd.size() != 3 || wd[2] != kBlock || xd[1] != wd[1])
     return ffi::Error::InvalidArgument("packed_matmul: x must be [M, K], w [N/64, K, 64]");
   const int64_t M = xd[0], K = xd[1], blocks = wd[0];
-  const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
-  float* yp = y->typed_data();
   // Rows past the first group take more passes over the weights (a block's K x 64 floats
   // come from cache after the first): narrower sub-blocks over more rows per pass measured
   // slower ([8,1536] x [1536,8960]: 4.2 ms against 2.8).
@@ -117,17 +181,36 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   // Column blocks split over the threads XLA gives this process (one when pinned to a core).
   const int64_t parts = std::min<int64_t>(blocks, 4 * std::max<int64_t>(pool.num_threads(), 1));
   run_parts(pool, parts, [=](int64_t p) {
-    packed_matmul<kAcc / kV, kV>(xp, wp, yp, M, K, blocks, blocks * p / parts,
-                                 blocks * (p + 1) / parts);
+    packed_matmul<kAcc / kV, kV, X, W>(xp, wp, yp, M, K, blocks, blocks * p / parts,
+                                    blocks * (p + 1) / parts);
   });
   return ffi::Error::Success();
 }
 
+ffi::Error PackedMatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                           ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
+  return PackedMatmul(pool, x.typed_data(), w.typed_data(), y->typed_data(), x.dimensions(),
+                      w.dimensions());
+}
+
+ffi::Error PackedMatmulBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> x,
+                            ffi::Buffer<ffi::U32> w, ffi::ResultBuffer<ffi::F32> y) {
+  return PackedMatmul(pool, x.typed_data(), w.typed_data(), y->typed_data(), x.dimensions(),
+                      w.dimensions());
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdPackedMatmul, PackedMatmulImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdPackedMatmul, PackedMatmulF32,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdPackedMatmulBf16, PackedMatmulBF16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -20,24 +20,37 @@ def _transformers(model: nnx.Module):
     return [node for _, node in nnx.iter_graph(model) if isinstance(node, Transformer)]
 
 
+def packed_precision(model: nnx.Module) -> str | None:
+    """"fp32" or "bf16": the packed kernels' form (None: not packed)."""
+    for lin in _linears(model):
+        if lin.kernel[...].ndim == 3:
+            return cpu.precision_of(lin.kernel[...])
+    for t in _transformers(model):
+        if t.packed_head is not None:
+            return cpu.precision_of(t.packed_head[...])
+    return None
+
+
 def is_packed(model: nnx.Module) -> bool:
     return (any(lin.kernel[...].ndim == 3 for lin in _linears(model))
             or any(t.packed_head is not None for t in _transformers(model)))
 
 
-def pack_model(model: nnx.Module) -> int:
-    """Pack every packable Linear and tied head of `model`; returns how many were packed."""
+def pack_model(model: nnx.Module, precision: str = "fp32") -> int:
+    """Pack every packable Linear and tied head of `model`; returns how many were packed.
+    precision="bf16": the kernel's bf16 form (cpu.pack), a cheaper, different model for a
+    draft."""
     n = 0
     for lin in _linears(model):
         w = lin.kernel[...]
-        if cpu.packable(w):
-            lin.kernel.set_value(cpu.pack(w))
+        if cpu.packable(w, precision):
+            lin.kernel.set_value(cpu.pack(w, precision))
             n += 1
     for t in _transformers(model):
         if t.lm_head is None and t.packed_head is None:
             e = t.embed_tokens.embedding[...]
-            if cpu.packable(e):  # [V, D]: pack_rows packs its transpose
-                t.packed_head = nnx.data(nnx.Param(cpu.pack_rows(e)))
+            if cpu.packable(e, precision, rows=True):  # [V, D]: pack_rows packs its transpose
+                t.packed_head = nnx.data(nnx.Param(cpu.pack_rows(e, precision)))
                 n += 1
     return n
 

@@ -34,9 +34,9 @@ class WorkerPool:
     def __init__(self, target: str, draft: str, *, dtype: str = "float32",
                  cores: tuple[int, int] | None = None, start_timeout: float = 600.0,
                  devices_per_worker: int = 1, draft_vocab: int | None = None,
-                 cpu_kernels: bool = True):
+                 cpu_kernels: bool = True, draft_precision: str = "fp32"):
         self.target, self.draft, self.dtype = str(target), str(draft), dtype
-        self.cpu_kernels = cpu_kernels
+        self.cpu_kernels, self.draft_precision = cpu_kernels, draft_precision
         self.draft_vocab = draft_vocab
         self.devices_per_worker = devices_per_worker
         # The cores this process may use (a container's cpuset need not start at core 0).
@@ -77,6 +77,7 @@ class WorkerPool:
                     cmd += ["--draft-vocab", str(self.draft_vocab)]
                 if not self.cpu_kernels:
                     cmd += ["--no-cpu-kernels"]
+                cmd += ["--draft-precision", self.draft_precision]
                 # The workers' own output (gloo's connection lines, XLA warnings) goes to a log
                 # file, not the user's terminal; its tail is quoted if a worker fails.
                 self.logs[role] = tempfile.NamedTemporaryFile(

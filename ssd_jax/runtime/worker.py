@@ -31,6 +31,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--draft-vocab", type=int, default=None)
     ap.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false")
+    ap.add_argument("--draft-precision", choices=["fp32", "bf16"], default="fp32")
     args = ap.parse_args(argv)
     die_with_parent()
     prefer_wide_vectors()  # before JAX starts its backend
@@ -88,7 +89,7 @@ class _Server:
         # processes together hold each model once (a 1.5B + 0.5B pair is ~9.6 GB in fp32).
         self._load_draft = lambda: ModelRunner(
             draft_for(load(args.draft, dtype=args.dtype)[0], self.vocab), self.mesh,
-            args.cpu_kernels)
+            args.cpu_kernels, args.draft_precision)
         self._draft = self._load_draft() if self.role == "draft" else None
         self.target = None
         if self.role == "target":

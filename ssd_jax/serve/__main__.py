@@ -37,6 +37,8 @@ def parser() -> argparse.ArgumentParser:
       help="cut the draft's LM head to its N most frequent tokens (cheaper draft steps)")
     a("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
       help="use XLA's matrix products on a CPU, not ssd-jax's kernel for a few rows (slower: for A/B runs)")
+    a("--draft-precision", default="fp32", choices=["fp32", "bf16"],
+      help="the draft's form on the CPU kernel: bf16 weights and inputs, fp32 sums (~1.7x cheaper draft steps; lossless)")
     a("--driver", default="auto", choices=["auto", "single", "processes"],
       help="where rounds run: auto = two pinned worker processes for SSD on a CPU, else "
            "this process")
@@ -117,7 +119,8 @@ def _main(argv) -> int:
         spec = SpecConfig(k=args.k, budget=args.budget)
         llm = LLM(args.model, draft=draft, dtype=args.dtype, spec=spec, engine=EngineConfig(
             max_batch=args.slots, max_seq_len=args.max_seq_len, driver=args.driver, mesh=mesh,
-            draft_vocab=args.draft_vocab, cpu_kernels=args.cpu_kernels))
+            draft_vocab=args.draft_vocab, cpu_kernels=args.cpu_kernels,
+            draft_precision=args.draft_precision))
         if not llm.is_lead:  # a pod process other than the lead: it runs its part of rounds
             if sock is not None:
                 sock.close()
