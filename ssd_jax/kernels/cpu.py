@@ -63,7 +63,7 @@ def build(out: Path) -> Path:
     cxx = compiler()
     if cxx is None:
         raise KernelBuildError("no C++ compiler found: install g++ or set CXX")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)  # as the compilation cache
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
