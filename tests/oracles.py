@@ -48,6 +48,22 @@ def chi2_pvalue(counts, probs) -> float:
     return float(scipy.stats.chisquare(obs[keep], exp[keep]).pvalue)
 
 
+def sequence_counts(llm, mode: str, n_out: int, n_samples: int = 3200, prompt=(1, 2, 3)
+                    ) -> dict:
+    """How often each first-`n_out`-token continuation of `prompt` came out of `llm` in
+    `mode`, sampled at T = 1 with seeds 0..n_samples-1, 64 rows a call."""
+    from ssd_jax import SamplingParams  # the one helper here that drives ssd_jax
+    counts = {}
+    for start in range(0, n_samples, 64):
+        outs = llm.generate([list(prompt)] * 64, [SamplingParams(
+            temperature=1.0, max_new_tokens=n_out, seed=start + i, ignore_eos=True)
+            for i in range(64)], mode=mode)
+        for o in outs:
+            key = tuple(o.token_ids[:n_out])
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
 def exact_sequence_probs(hf_model, prompt: list[int], temperature: float, top_p: float,
                          n_out: int, bias: dict[int, float] | None = None,
                          no_stop: tuple[list[int], int] = ((), 0),

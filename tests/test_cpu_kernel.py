@@ -110,9 +110,12 @@ def test_bf16_form_layout_round_trip_and_row_independence():
         assert np.array_equal(np.asarray(cpu.packed_matmul(x[i:i + 1], p))[0], many[i])
 
 
+_CONFIG = dict(arch="qwen2", vocab_size=300, hidden_size=128, intermediate_size=192, num_layers=2,
+               num_heads=4, num_kv_heads=2, head_dim=32)
+
+
 def _config(**kw):
-    return ModelConfig(**dict(arch="qwen2", vocab_size=300, hidden_size=128, intermediate_size=192,
-                              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, **kw))
+    return ModelConfig(**_CONFIG, **kw)
 
 
 def _logits(model, T=5):
@@ -173,9 +176,9 @@ from jax.sharding import Mesh
 from ssd_jax.core.runner import ModelRunner
 from ssd_jax.models import causal_mask
 from ssd_jax.models.packing import is_packed
-from tests.test_cpu_kernel import _config
+from ssd_jax.config import ModelConfig
 from ssd_jax.models.transformer import Transformer
-model = Transformer(_config(), rngs=nnx.Rngs(0))
+model = Transformer(ModelConfig(**%r), rngs=nnx.Rngs(0))
 one = ModelRunner(model, Mesh(np.array(jax.devices()[:1]), ("tp",)))
 assert one.packed and is_packed(model)
 two = ModelRunner(model, Mesh(np.array(jax.devices()[:2]), ("tp",)))
@@ -185,7 +188,7 @@ out = [np.asarray(r.forward(toks, pos, r.new_cache(1, 16), jnp.zeros((1,), jnp.i
                             causal_mask(1, 3))[0]) for r in (one, two)]
 np.testing.assert_allclose(out[0], out[1], rtol=1e-4, atol=1e-4)
 print("ok")
-"""
+""" % _CONFIG
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
@@ -233,9 +236,9 @@ def test_greedy_with_a_bf16_draft_equals_ar(driver):
 @needs_kernel
 @pytest.mark.parametrize("mode", ["sd", "ssd"])
 def test_sampled_with_a_bf16_draft_follows_target(vocab6, mode):  # noqa: F811
-    from ssd_jax import LLM, EngineConfig, SamplingParams
+    from ssd_jax import LLM, EngineConfig
     from ssd_jax.config import SpecConfig
-    from tests.oracles import chi2_pvalue, exact_sequence_probs
+    from tests.oracles import chi2_pvalue, exact_sequence_probs, sequence_counts
     from tests.test_ssd import N_OUT
     target, draft, hf_target = vocab6
     draft = nnx.clone(draft)  # packed in place: the module's other tests keep theirs
@@ -243,13 +246,6 @@ def test_sampled_with_a_bf16_draft_follows_target(vocab6, mode):  # noqa: F811
               engine=EngineConfig(max_batch=64, max_seq_len=64, prefill_bucket=8, sync_every=4,
                                   draft_precision="bf16"))
     probs = exact_sequence_probs(hf_target, [1, 2, 3], 1.0, 1.0, N_OUT)
-    counts = {}
-    for start in range(0, 3200, 64):
-        outs = llm.generate([[1, 2, 3]] * 64, [SamplingParams(
-            temperature=1.0, max_new_tokens=N_OUT, seed=start + i, ignore_eos=True)
-            for i in range(64)], mode=mode)
-        for o in outs:
-            key = tuple(o.token_ids[:N_OUT])
-            counts[key] = counts.get(key, 0) + 1
+    counts = sequence_counts(llm, mode, N_OUT)
     assert packed_precision(draft) == "bf16"
     assert chi2_pvalue(counts, probs) > 1e-3

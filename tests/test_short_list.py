@@ -15,7 +15,7 @@ from ssd_jax.loading.token_freq import ranking, short_list
 from ssd_jax.loading.tokenizer import Tokenizer
 from ssd_jax.models.attention import causal_mask
 from ssd_jax.models.transformer import KVCache, Transformer
-from tests.oracles import chi2_pvalue, exact_sequence_probs
+from tests.oracles import chi2_pvalue, exact_sequence_probs, sequence_counts
 from tests.test_ssd import N_OUT, vocab6  # noqa: F401  (fixture)
 
 
@@ -96,15 +96,7 @@ def test_sampled_with_short_list_follows_target(vocab6, mode, tmp_path):  # noqa
                                   draft_vocab=4))
     assert isinstance(llm.core.vocab, ShortList) and llm.core.vocab.draft_size == 4
     probs = exact_sequence_probs(hf_target, [1, 2, 3], 1.0, 1.0, N_OUT)
-    counts = {}
-    for start in range(0, 3200, 64):
-        outs = llm.generate([[1, 2, 3]] * 64, [SamplingParams(
-            temperature=1.0, max_new_tokens=N_OUT, seed=start + i, ignore_eos=True)
-            for i in range(64)], mode=mode)
-        for o in outs:
-            key = tuple(o.token_ids[:N_OUT])
-            counts[key] = counts.get(key, 0) + 1
-    assert chi2_pvalue(counts, probs) > 1e-3
+    assert chi2_pvalue(sequence_counts(llm, mode, N_OUT), probs) > 1e-3
 
 
 def test_bad_draft_vocab_is_one_clear_error(vocab6):  # noqa: F811

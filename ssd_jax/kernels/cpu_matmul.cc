@@ -71,8 +71,8 @@ inline void packed_rows(const float* x, const float* p, float* y, int rows, int6
 #include <immintrin.h>
 
 template <int R, int V>
-inline void pair_rows(const uint32_t* x, const uint32_t* p, float* y, int rows, int64_t K2,
-                      int64_t N) {
+inline void packed_rows(const uint32_t* x, const uint32_t* p, float* y, int rows, int64_t K2,
+                        int64_t N) {
   __m512 acc[R][V];
   for (int m = 0; m < R; ++m)
     for (int v = 0; v < V; ++v) acc[m][v] = _mm512_setzero_ps();
@@ -89,8 +89,8 @@ inline void pair_rows(const uint32_t* x, const uint32_t* p, float* y, int rows, 
 }
 #else
 template <int R, int V>
-inline void pair_rows(const uint32_t* x, const uint32_t* p, float* y, int rows, int64_t K2,
-                      int64_t N) {
+inline void packed_rows(const uint32_t* x, const uint32_t* p, float* y, int rows, int64_t K2,
+                        int64_t N) {
   vec acc[R][V] = {};
   const uvec high = uvec{} + 0xFFFF0000u;
   for (int64_t k = 0; k < K2; ++k, p += kBlock) {
@@ -113,12 +113,6 @@ inline void pair_rows(const uint32_t* x, const uint32_t* p, float* y, int rows, 
     for (int v = 0; v < V; ++v) store(y + m * N + v * kLanes, acc[m][v]);
 }
 #endif
-
-template <int R, int V>
-inline void packed_rows(const uint32_t* x, const uint32_t* p, float* y, int rows, int64_t K2,
-                        int64_t N) {
-  pair_rows<R, V>(x, p, y, rows, K2, N);
-}
 
 // Column blocks [b0, b1) of y.
 template <int R, int V, typename X, typename W>
