@@ -16,6 +16,7 @@
 #include <functional>
 #include <memory>
 #include <cstring>
+#include <sched.h>
 #include <thread>
 
 #include "xla/ffi/api/ffi.h"
@@ -146,8 +147,17 @@ void work(const std::shared_ptr<Job>& job) {
   }
 }
 
+// The cores this thread may run on. XLA sizes its pool by the machine, not by the process's
+// affinity: a worker pinned to one core would split each product between two threads on that
+// core, one spinning while the other works.
+int64_t usable_cores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return 1 << 20;  // unknown: no cap
+  return CPU_COUNT(&set);
+}
+
 void run_parts(ffi::ThreadPool& pool, int64_t parts, std::function<void(int64_t)> part) {
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), parts - 1);
+  const int64_t helpers = std::min<int64_t>({pool.num_threads(), usable_cores() - 1, parts - 1});
   if (helpers <= 0) {
     for (int64_t p = 0; p < parts; ++p) part(p);
     return;
