@@ -162,7 +162,7 @@ def precision_of(p: jax.Array) -> str:
 def unpack(p: Shaped[Array, "NB _ 64"], n: int | None = None) -> Float[Array, "K N"]:
     """pack's inverse, in fp32 (the bf16 form's weights stay rounded); `n`: the columns
     before padding (None: all)."""
-    if p.dtype == jnp.uint32:
+    if precision_of(p) == "bf16":
         NB, K2, _ = p.shape
         w = jax.lax.bitcast_convert_type(p, jnp.bfloat16).astype(jnp.float32)  # [NB, K2, 64, 2]
         return w.transpose(1, 3, 0, 2).reshape(2 * K2, NB * BLOCK)[:, :n]
@@ -177,7 +177,7 @@ def packed_matmul(x: Float[Array, "*R K"], p: Shaped[Array, "NB _ 64"], n: int |
     lead, K = x.shape[:-1], x.shape[-1]
     N = p.shape[0] * BLOCK
     rows, target = x.reshape(-1, K).astype(jnp.float32), TARGET
-    if p.dtype == jnp.uint32:
+    if precision_of(p) == "bf16":
         rows, target = _pairs(rows.reshape(-1, K // 2, 2)), TARGET_BF16
     y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], N), jnp.float32))(rows, p)
     n = N if n is None else n
