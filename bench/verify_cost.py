@@ -39,8 +39,8 @@ def main(argv=None) -> int:
                  "max-k >= 0, repeats >= 1 and a cache of at least 2(max-k+1) slots (the prefix "
                  "fills half)")
     if args.core is not None:
-        import os
-        os.sched_setaffinity(0, {args.core})
+        from ssd_jax.runtime.procs import pin_process
+        pin_process({args.core})
     from ssd_jax.xla_cpu import prefer_wide_vectors
     prefer_wide_vectors()  # as the CLI, bench and workers do, before JAX's backend starts
     from ssd_jax.loading import load

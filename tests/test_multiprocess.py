@@ -87,6 +87,27 @@ def test_two_process_ssd_equals_ar(paths, workers):
     assert cut[0].metrics.ssd.hit_rate > 0
 
 
+def _thread_cores(pid: int) -> set[str]:
+    """The Cpus_allowed_list of every thread of process `pid`."""
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                out |= {line.split()[1] for line in f if line.startswith("Cpus_allowed_list")}
+        except FileNotFoundError:
+            pass  # the thread ended meanwhile
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or len(os.sched_getaffinity(0)) < 2,
+                    reason="pinning: Linux with two usable cores")
+def test_every_worker_thread_runs_on_its_own_core(workers):
+    # numpy's BLAS threads start before a worker pins itself (importing ssd_jax imports numpy):
+    # they must be pinned too, or they wake on the other role's core.
+    cores = [_thread_cores(proc.pid) for proc in workers.pool.procs.values()]
+    assert all(len(c) == 1 for c in cores) and cores[0] != cores[1], cores
+
+
 def test_generate_past_max_batch_is_one_continuous_batch_in_the_workers(paths, workers):
     """More rows than max_batch decode as one continuous batch in the worker processes
     (runtime/pool_live.py; SSD's sides in two workers, AR in the target's). In one SSD call,

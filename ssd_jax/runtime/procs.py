@@ -3,6 +3,7 @@ tool (no JAX import: the launcher and a child before exec use them)."""
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import socket
 
@@ -20,3 +21,21 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass  # not Linux: the parent's atexit/terminate still cleans up
+
+
+def pin_process(cores) -> None:
+    """Run this process, every thread it has already started included, on `cores` only.
+    sched_setaffinity(0, ...) binds the calling thread and the threads it starts later; a
+    thread started before (numpy's BLAS pool: importing this package imports numpy) would keep
+    every core, and wake on the other role's core."""
+    cores = set(cores)
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cores)
+        except OSError:
+            pass  # the thread ended meanwhile
+    os.sched_setaffinity(0, cores)

@@ -16,7 +16,7 @@ import os
 import sys
 import traceback
 
-from ssd_jax.runtime.procs import die_with_parent
+from ssd_jax.runtime.procs import die_with_parent, pin_process
 from ssd_jax.xla_cpu import prefer_wide_vectors
 
 
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     die_with_parent()
     prefer_wide_vectors()  # before JAX starts its backend
     if args.core is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {args.core})
+        pin_process({args.core})
     from multiprocessing.connection import Client
     host, port = args.address.rsplit(":", 1)
     conn = Client((host, int(port)), authkey=os.environ["SSD_JAX_WORKER_KEY"].encode())
