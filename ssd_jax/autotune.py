@@ -47,11 +47,12 @@ import numpy as np
 from ssd_jax.core.fanout import FanoutModel, geometric_probs
 from ssd_jax.core.speed import ssd_speedup
 
-# The largest K the speed model considers. On AVX-512 the CPU kernel scores up to 6 tokens in
-# one pass over the weights (cpu_matmul.cc: 24 accumulators, 4 vectors a block), so K+1 = 6
-# costs ~1.03x K+1 = 5 on the Qwen pair and 7 tokens 1.55x: past 5 a round's verification
-# grows by half. A caller's explicit K is not capped.
-K_MAX = 5
+# The largest K the speed model considers. K = 5 was tried on the Qwen pair (code suite, bf16
+# draft, interleaved with K = 4: results/k5_ab): the kernel scores 6 tokens in one pass over
+# the weights (cpu_matmul.cc) and start-up timing put 6 tokens at 1.03x 5, but in a decode
+# SD's 6-token verification ran 1.15x its 5-token one, and both SD (9.9 against 10.5 tok/s)
+# and SSD (11.4 against 11.9) were slower at K = 5. A caller's explicit K is not capped.
+K_MAX = 4
 M_MAX = 16
 TARGET_TOKENS = tuple(range(1, K_MAX + 2))
 DRAFT_TOKENS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)

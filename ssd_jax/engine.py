@@ -453,11 +453,6 @@ class Engine:
         key, names, split = self._cost_key(mode, rows, sampled)
         store = autotune.TuneStore(autotune.store_path(self.cache_dir))
         costs = store.costs(key)
-        stale = None
-        if costs is not None and not set(autotune.TARGET_TOKENS) <= set(costs.target):
-            # Measured when K could go less far (autotune.K_MAX rose since): timed afresh,
-            # with what runs taught this entry carried over.
-            stale, costs = costs, None
         if costs is None and sampled:
             costs = self._step_costs(mode, rows)
             # Saved without the rounds they were learnt over: a sampled run's first lesson
@@ -477,11 +472,6 @@ class Engine:
                 costs = autotune.StepCosts(
                     autotune.time_scoring(self.runner, rows, autotune.TARGET_TOKENS),
                     autotune.time_scoring(self.draft_runner, rows, autotune.DRAFT_TOKENS))
-            if stale is not None:
-                costs = replace(costs, verify_overlap=stale.verify_overlap,
-                                build_overlap=stale.build_overlap,
-                                sd_draft_scale=stale.sd_draft_scale,
-                                round_spread=stale.round_spread, target_scale=stale.target_scale)
             store.save_costs(key, costs, note=f"{names[0]} + {names[1]}, batch {rows}, {split}")
         return costs
 
