@@ -205,6 +205,33 @@ def test_a_missing_or_failing_compiler_is_one_clear_error(tmp_path, monkeypatch)
     assert list(tmp_path.iterdir()) == []  # no half-written library left behind
 
 
+@needs_kernel
+def test_the_kernel_is_built_for_the_vector_width_asked():
+    import ctypes
+    from ssd_jax.xla_cpu import read_cpuinfo
+    flags = next(ln for ln in read_cpuinfo().splitlines() if ln.startswith("flags")).split()
+    wide = "avx512f" in flags and "-mno-avx512f" not in os.environ.get(cpu.FLAGS_ENV, "")
+    assert ctypes.CDLL(str(cpu.library_path())).SsdKernelLanes() == (16 if wide else 8)
+
+
+@needs_kernel
+def test_the_avx2_form_passes_the_product_tests(tmp_path):
+    """CPUs without AVX-512 run the kernel's AVX2 form (8 floats a vector, one row a pass):
+    built here with -mno-avx512f, through the tests above in a fresh process."""
+    from ssd_jax.xla_cpu import read_cpuinfo
+    if not any(ln.startswith("flags") and " avx512f" in ln for ln in read_cpuinfo().splitlines()):
+        pytest.skip("no AVX-512 here: the default build is the AVX2 form already")
+    env = dict(os.environ, **{cpu.FLAGS_ENV: "-mno-avx512f"}, SSD_JAX_CACHE=str(tmp_path))
+    env.pop("PYTEST_XDIST_WORKER", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", __file__, "-k",
+         "matches_numpy or leading_dims or beside_it or round_trip or vector_width"],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
+    assert list((tmp_path / "kernels").rglob("cpu_matmul-*.so"))  # built apart from the default
+
+
 # ---------------------------------------------------------------- SD/SSD with a bf16 draft
 
 @needs_kernel

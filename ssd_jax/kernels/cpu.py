@@ -12,7 +12,8 @@ split over XLA's intra-op threads (one when the process is pinned to a core).
 
 The kernel is compiled from its C++ source by the machine's C++ compiler (`$CXX`, else c++ or
 g++) at first use, for this CPU (-march=native), into the model cache; a machine without one
-keeps XLA's products and is told so once.
+keeps XLA's products and is told so once. $SSD_JAX_KERNEL_FLAGS adds compiler flags after
+-march=native (the tests build the AVX2 form on an AVX-512 machine with -mno-avx512f).
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ BLOCK = 64  # columns per packed block (cpu_matmul.cc's kBlock)
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGET = "ssd_packed_matmul"
 TARGET_BF16 = "ssd_packed_matmul_bf16"  # the bf16 form (pack(w, "bf16"))
+FLAGS_ENV = "SSD_JAX_KERNEL_FLAGS"
+
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -54,7 +57,8 @@ def library_path(cache: Path | None = None) -> Path:
     """Where this source, jax version and CPU's build is kept."""
     from ssd_jax.compile_cache import cpu_fingerprint
     from ssd_jax.loading.packaged import DEFAULT_CACHE
-    key = hashlib.sha1(SOURCE.read_bytes() + jax.__version__.encode()).hexdigest()[:12]
+    key = hashlib.sha1(SOURCE.read_bytes() + jax.__version__.encode()
+                       + os.environ.get(FLAGS_ENV, "").encode()).hexdigest()[:12]
     return Path(cache or DEFAULT_CACHE) / "kernels" / cpu_fingerprint() / f"cpu_matmul-{key}.so"
 
 
@@ -66,8 +70,8 @@ def build(out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)  # as the compilation cache
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
-           "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+    cmd = [cxx, "-O3", "-march=native", *os.environ.get(FLAGS_ENV, "").split(), "-std=c++17",
+           "-shared", "-fPIC", "-w", "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
     try:
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

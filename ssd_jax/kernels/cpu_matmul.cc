@@ -180,7 +180,9 @@ ffi::Error PackedMatmul(ffi::ThreadPool& pool, const X* xp, const W* wp, float* 
   const int64_t M = xd[0], K = xd[1], blocks = wd[0];
   // Rows past the first group take more passes over the weights (a block's K x 64 floats
   // come from cache after the first): narrower sub-blocks over more rows per pass measured
-  // slower ([8,1536] x [1536,8960]: 4.2 ms against 2.8).
+  // slower ([8,1536] x [1536,8960]: 4.2 ms against 2.8). So the AVX2 form, 8 vectors across a
+  // block, takes one row a pass; built so on an AVX-512 machine, a half or a quarter block
+  // over 3 or 6 rows was slower still at 1 and 5 rows (results/cpu_kernel/avx2_subblocks.txt).
   constexpr int kV = kBlock / kLanes;  // vectors across a whole block
   // Column blocks split over the threads XLA gives this process (one when pinned to a core).
   const int64_t parts = std::min<int64_t>(blocks, 4 * std::max<int64_t>(pool.num_threads(), 1));
@@ -204,6 +206,9 @@ ffi::Error PackedMatmulBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> x,
 }
 
 }  // namespace
+
+// The floats per vector this build was compiled for (16: AVX-512, 8: AVX2), for the tests.
+extern "C" int SsdKernelLanes() { return kLanes; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdPackedMatmul, PackedMatmulF32,
                               ffi::Ffi::Bind()
