@@ -215,13 +215,17 @@ def test_the_kernel_is_built_for_the_vector_width_asked():
 
 
 @needs_kernel
-def test_the_avx2_form_passes_the_product_tests(tmp_path):
-    """CPUs without AVX-512 run the kernel's AVX2 form (8 floats a vector, one row a pass):
-    built here with -mno-avx512f, through the tests above in a fresh process."""
+@pytest.mark.parametrize("flag,needs", [("-mno-avx512f", "avx512f"),
+                                        ("-mno-avx512bf16", "avx512_bf16")])
+def test_the_other_forms_pass_the_product_tests(flag, needs, tmp_path):
+    """The kernel's forms for other CPUs, built here and run through the tests above in a fresh
+    process: AVX2 (no AVX-512: 8 floats a vector, one row a pass) and AVX-512 without
+    AVX512-BF16 (the bf16 form's two fp32 products per pair, 16 floats a vector)."""
     from ssd_jax.xla_cpu import read_cpuinfo
-    if not any(ln.startswith("flags") and " avx512f" in ln for ln in read_cpuinfo().splitlines()):
-        pytest.skip("no AVX-512 here: the default build is the AVX2 form already")
-    env = dict(os.environ, **{cpu.FLAGS_ENV: "-mno-avx512f"}, SSD_JAX_CACHE=str(tmp_path))
+    flags = next(ln for ln in read_cpuinfo().splitlines() if ln.startswith("flags")).split()
+    if needs not in flags:
+        pytest.skip(f"no {needs} here: the default build is that form already")
+    env = dict(os.environ, **{cpu.FLAGS_ENV: flag}, SSD_JAX_CACHE=str(tmp_path))
     env.pop("PYTEST_XDIST_WORKER", None)
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", __file__, "-k",
