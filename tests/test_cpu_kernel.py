@@ -205,12 +205,17 @@ def test_a_missing_or_failing_compiler_is_one_clear_error(tmp_path, monkeypatch)
     assert list(tmp_path.iterdir()) == []  # no half-written library left behind
 
 
+def _cpu_flags() -> list[str]:
+    """This CPU's instruction-set flags (/proc/cpuinfo)."""
+    from ssd_jax.xla_cpu import read_cpuinfo
+    return next((ln for ln in read_cpuinfo().splitlines() if ln.startswith("flags")),
+                "").split()
+
+
 @needs_kernel
 def test_the_kernel_is_built_for_the_vector_width_asked():
     import ctypes
-    from ssd_jax.xla_cpu import read_cpuinfo
-    flags = next(ln for ln in read_cpuinfo().splitlines() if ln.startswith("flags")).split()
-    wide = "avx512f" in flags and "-mno-avx512f" not in os.environ.get(cpu.FLAGS_ENV, "")
+    wide = "avx512f" in _cpu_flags() and "-mno-avx512f" not in os.environ.get(cpu.FLAGS_ENV, "")
     assert ctypes.CDLL(str(cpu.library_path())).SsdKernelLanes() == (16 if wide else 8)
 
 
@@ -221,9 +226,7 @@ def test_the_other_forms_pass_the_product_tests(flag, needs, tmp_path):
     """The kernel's forms for other CPUs, built here and run through the tests above in a fresh
     process: AVX2 (no AVX-512: 8 floats a vector, one row a pass) and AVX-512 without
     AVX512-BF16 (the bf16 form's two fp32 products per pair, 16 floats a vector)."""
-    from ssd_jax.xla_cpu import read_cpuinfo
-    flags = next(ln for ln in read_cpuinfo().splitlines() if ln.startswith("flags")).split()
-    if needs not in flags:
+    if needs not in _cpu_flags():
         pytest.skip(f"no {needs} here: the default build is that form already")
     env = dict(os.environ, **{cpu.FLAGS_ENV: flag}, SSD_JAX_CACHE=str(tmp_path))
     env.pop("PYTEST_XDIST_WORKER", None)

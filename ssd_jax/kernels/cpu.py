@@ -38,8 +38,7 @@ BLOCK = 64  # columns per packed block (cpu_matmul.cc's kBlock)
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGET = "ssd_packed_matmul"
 TARGET_BF16 = "ssd_packed_matmul_bf16"  # the bf16 form (pack(w, "bf16"))
-FLAGS_ENV = "SSD_JAX_KERNEL_FLAGS"
-
+FLAGS_ENV = "SSD_JAX_KERNEL_FLAGS"  # extra compiler flags, part of the build's cache key
 PRECISIONS = ("fp32", "bf16")
 
 
