@@ -20,10 +20,12 @@ demo: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/ssd-serve --mode ssd --port 8000
 
-# Two pytest workers, a test file each at a time (a file's module fixtures are built once): the
-# suite spends much of its time in single-threaded work (tracing, compiling, subprocesses
-# starting), so two files side by side took 21 min on the 2-core dev VM against 30 in series.
-TEST_WORKERS ?= 2
+# Three pytest workers, a test file each at a time (a file's module fixtures are built once):
+# the suite spends much of its time in single-threaded work (tracing, compiling, subprocesses
+# starting) and waits, so on the 2-core dev VM two files side by side took 21 min against 30
+# in series, and three 22:51 against two's 25:02 (462 tests, back to back, session 42; the
+# cores were 99% busy over the three's run).
+TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile
 

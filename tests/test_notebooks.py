@@ -51,6 +51,10 @@ def test_notebook_runs_with_small_settings(name, tmp_path, monkeypatch):
         # model, ~1 GB, and a few percent of a core each) for the rest of the test run.
         if km.has_kernel:
             km.shutdown_kernel(now=True)
+        # Its client too: left to the garbage collector, it logs to a closed stream at the
+        # end of the pytest worker ("Could not destroy zmq context").
+        if client.kc is not None:
+            client.kc.stop_channels()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
               if o.output_type == "error"]
     assert not errors
