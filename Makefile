@@ -24,12 +24,10 @@ serve: $(STAMP)
 # the suite spends much of its time in single-threaded work (tracing, compiling, subprocesses
 # starting) and waits, so on the 2-core dev VM two files side by side took 21 min against 30
 # in series, and three 22:51 against two's 25:02 (462 tests, back to back, session 42; the
-# cores were 99% busy over the three's run). Files in the order tests/conftest.py gives them
-# (the long ones first), not xdist's by test count.
+# cores were 99% busy over the three's run).
 TEST_WORKERS ?= 3
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile \
-		--no-loadscope-reorder
+	$(VENV)/bin/python -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m slow

@@ -67,27 +67,6 @@ _quick_compiles()
 
 import pytest  # noqa: E402
 
-# Rough worker-seconds of the files that run longest for their number of tests: `make test`
-# starts them first (longest first), so that none is left running alone while the other
-# workers sit idle at the end. pytest-xdist's loadfile otherwise orders files by test count,
-# which put test_live, test_pod and test_mesh (4-7 tests, 190-230 s each) among the last; the
-# Makefile passes --no-loadscope-reorder so that it keeps this order. The first six are whole
-# files from a --durations=0 run (two workers, session 42, AMD dev VM; session 42 simulated a
-# longest-first order of every file: 1378 s against 1473 on two workers); the other four, the
-# sum of their tests among the slowest 15 of session 43's run (Intel VM), a lower bound. The
-# remaining files follow by test count, as xdist would have ordered them.
-LONG_FILES = {"test_serve.py": 334, "test_ssd.py": 290, "test_live.py": 231,
-              "test_pod.py": 220, "test_mesh.py": 192, "test_multiprocess.py": 183,
-              "test_cpu_kernel.py": 173, "test_notebooks.py": 129, "test_smollm2.py": 97,
-              "test_packaged.py": 88}
-
-
-def pytest_collection_modifyitems(config, items):
-    counts = collections.Counter(item.path.name for item in items)
-    items.sort(key=lambda item: (-LONG_FILES.get(item.path.name, 0), -counts[item.path.name],
-                                 item.path.name))  # stable: a file's tests keep their order
-
-
 TINY_LLAMA = dict(
     vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
