@@ -260,6 +260,7 @@ class Agg:
         self.decode_tokens = self.decode_s = self.row_tokens = self.steps = 0
         self.verify = self.draft = self.build = self.select = self.exposed = 0.0
         self.miss_rounds = 0.0
+        self.exposed_split = [0.0, 0, 0.0, 0]  # target's wait: hit s, rounds, miss s, rounds
         self.ttft, self.hist = [], None
         self.settings: dict | None = None  # what the engine ran
         self.chosen: dict | None = None  # k=auto: the engine's choice, pinned for the cell
@@ -301,13 +302,17 @@ class Agg:
             self.build += s["build_s"]
             self.select += s["select_s"]
             self.exposed += s["exposed_s"]
+            for i, name in enumerate(("exposed_hit_s", "exposed_hit_rounds", "exposed_miss_s",
+                                      "exposed_miss_rounds")):
+                self.exposed_split[i] += s.get(name, 0)
             self.miss_rounds += (1 - s["all_hit_rate"]) * m.decode_steps
 
     def phases(self) -> dict | None:
         """Seconds per round. t_exposed: what the target waits for the next speculation after
         its verification (single driver, blocking: build + select in series; processes driver:
         the overlap's remainder). t_backup_est: select time attributed to rounds with a miss
-        (the neural backup runs only then)."""
+        (the neural backup runs only then). t_exposed_hit / t_exposed_miss: the target's wait
+        per round that all-hit rounds / rounds with a miss."""
         if not self.steps or self.verify <= 0:
             return None
         out = dict(rounds=int(self.steps), t_verify=self.verify / self.steps)
@@ -319,6 +324,10 @@ class Agg:
                        # there the target's wait is the measure of the backup's cost.
                        t_backup_est=(self.exposed if self.driver == "processes" else self.select)
                        / max(self.miss_rounds, 1.0))
+            hit_s, hit_n, miss_s, miss_n = self.exposed_split
+            if hit_n + miss_n:
+                out.update(t_exposed_hit=hit_s / max(hit_n, 1),
+                           t_exposed_miss=miss_s / max(miss_n, 1))
         return out
 
     def cell(self, mode: str, suite: str, warm_s: float) -> dict:

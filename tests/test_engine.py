@@ -330,6 +330,17 @@ def test_per_call_spec_and_sync_phases(pair):
         llm.spec = SpecConfig(k=3)  # settings travel with calls, not by mutating the LLM
 
 
+def test_ssd_exposed_wait_split_by_hit(pair):
+    """The target's wait after each verification is filed under all-hit rounds or rounds with
+    a backup: the two parts add up to the whole, one entry per round."""
+    prompts = [[5, 9, 11], list(range(20, 39))]
+    p = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    m = pair.generate(prompts, p, mode="ssd", sync_phases=True)[0].metrics
+    s = m.ssd
+    assert s.exposed_hit_rounds + s.exposed_miss_rounds == m.decode_steps
+    assert s.exposed_hit_s + s.exposed_miss_s == pytest.approx(s.exposed_s)
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(spec={"k": 2}), r"spec=\{'k': 2\} is invalid: pass spec=SpecConfig\(...\)"),
     (dict(sync_phases="yes"), "sync_phases='yes' is invalid: pass True, False or None"),

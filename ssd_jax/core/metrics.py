@@ -24,6 +24,12 @@ class SSDStats:
     select_s: float = 0.0  # draft: lookup or backup
     build_rounds: list = None  # draft: each round's build time (autotune.per_round)
     exposed_s: float = 0.0  # target: waiting for the next speculation after its verification
+    # ... split by what came: every live row's speculation a hit (the exchanges and the lookup
+    # only) or some row's a backup's (the backup's draft steps on the critical path)
+    exposed_hit_s: float = 0.0
+    exposed_hit_rounds: int = 0
+    exposed_miss_s: float = 0.0
+    exposed_miss_rounds: int = 0
     backup: str = "neural"  # the backup in use (backup="auto" re-decides every chunk)
     fanout: list | None = None  # the draft's last F_0..F_K
     a: float | None = None  # the fan-out's fitted per-token acceptance

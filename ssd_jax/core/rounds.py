@@ -237,6 +237,11 @@ def ssd_round(target: TargetSide | None, draft: DraftSide | None, link, s: Round
         if target is not None:
             phases["verify_s"] += t1 - t0
             phases["exposed_s"] += t4 - t1
+            # The wait split by what arrived: all hits, or some row's backup (done rows count
+            # as hits: their speculation is discarded).
+            kind = "hit" if bool(np.all(np.asarray(spec.hit | ts.rows.done))) else "miss"
+            phases[f"exposed_{kind}"][0] += t4 - t1
+            phases[f"exposed_{kind}"][1] += 1
             phases["verify_rounds"].append(t1 - t0)
         if draft is not None:
             phases["build_s"] += t2 - t1
@@ -265,7 +270,8 @@ def ssd_loop(target: TargetSide | None, draft: DraftSide | None, link, metrics: 
         metrics.ttft_s = time.perf_counter() - t0
         yield first
     phases = (dict(verify_s=0.0, exposed_s=0.0, build_s=0.0, select_s=0.0, verify_rounds=[],
-                   build_rounds=[]) if timed else None)
+                   build_rounds=[], exposed_hit=[0.0, 0], exposed_miss=[0.0, 0])
+              if timed else None)
     t1 = time.perf_counter()
     while not _all_done((s.target or s.draft).rows, n_real):
         t_recs, d_recs = [], []
@@ -277,6 +283,8 @@ def ssd_loop(target: TargetSide | None, draft: DraftSide | None, link, metrics: 
         metrics.decode_steps += sync_every
         if phases is not None:
             metrics.verify_s, stats.exposed_s = phases["verify_s"], phases["exposed_s"]
+            stats.exposed_hit_s, stats.exposed_hit_rounds = phases["exposed_hit"]
+            stats.exposed_miss_s, stats.exposed_miss_rounds = phases["exposed_miss"]
             metrics.verify_rounds = phases["verify_rounds"]
             if draft is not None:
                 draft.stats.build_s, draft.stats.select_s = phases["build_s"], phases["select_s"]
