@@ -196,6 +196,16 @@ def run(args, argv) -> dict:
                      "adds a second core for the draft.")
     driver = llm.driver("ssd" if "ssd" in modes else modes[0]) if callable(
         getattr(llm, "driver", None)) else "single"
+    if args.driver == "auto" and "ssd" not in modes and driver == "single" and split is None:
+        import jax
+        if jax.default_backend() == "cpu":
+            # A run of AR or SD alone is not timed like a --mode all run (or an SSD cell),
+            # where the target gets one pinned core: comparing the two misleads by ~2x.
+            notes.append(f"{'/'.join(m.upper() for m in modes)} ran in the bench's own "
+                         f"process on all {len(os.sched_getaffinity(0))} usable cores; an SSD "
+                         "run (and --mode all) pins the target to one core, so pass --driver "
+                         "processes to time it the same way.")
+            print(f"ssd-bench: {notes[-1]}", file=sys.stderr)
     ids, how = {}, None
     for s in suites:
         ids[s], how = encode(llm, prompts[s])

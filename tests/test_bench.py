@@ -136,6 +136,21 @@ def test_ar_fallback_cells_decode_with_ar_where_predicted_faster(pair, tmp_path,
         assert (c.get("ar_fallback_answers") is None) == (c["mode"] == "ar")
 
 
+def test_a_lone_sd_run_on_cpu_says_it_had_every_core(pair, tmp_path, capsys):
+    """`--mode sd` alone (driver auto) runs in one process on every core, where --mode all
+    pins the target to one: the run says so, in its notes and on stderr, with the flag that
+    times it like an SSD run."""
+    argv = ["--mode", "sd", "--target", pair[0], "--draft", pair[1], "--suite", "chat",
+            "--num-prompts", "1", "--output-len", "4", "--k", "2", "--no-progress",
+            "--no-phases", "--json", str(tmp_path / "r.json")]
+    assert main(argv) == 0
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["config"]["driver"] == "single"
+    said = [n for n in res["notes"] if "--driver processes" in n]
+    assert len(said) == 1 and said[0].startswith("SD ran in the bench's own process")
+    assert said[0] in capsys.readouterr().err
+
+
 def test_a_fallback_cell_keeps_each_call_as_it_ran():
     """A cell that may fall back (pinned K) mixes AR calls with speculative ones: it adds up
     every call's tokens and seconds, the speculative calls' rounds alone (acceptance, phases),
