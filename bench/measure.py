@@ -177,6 +177,10 @@ class Cells:
         if point.k is not None or mode == "ar":
             return
         probe, _ = self.pin(mode, point)
+        # The step costs' multiples are this hour's too: the probe's answers alone set them
+        # (Engine.forget_timings), so the cell's prediction is not half an older hour's.
+        self.llm.core.forget_timings(mode, 1 << (point.batch - 1).bit_length(),
+                                     sampled=point.temperature > 0)
         for _ in range(PROBES):
             self.llm.core.forget_acceptance()
             # Probes speculate, also where the choice falls back: they teach the acceptance

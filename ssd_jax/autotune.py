@@ -514,6 +514,20 @@ class TuneStore:
             entry["r"] = miss_exponent(entry["a"], fan, entry["hit"])
         self._write(data)
 
+    def restart_multiples(self, key: str) -> None:
+        """Let the next runs' multiples of the step costs at `key` (StepCosts.verify_overlap,
+        build_overlap, sd_draft_scale, round_spread, target_scale) stand alone: each figure
+        stays as a first guess but holds no rounds, so the next run's lesson replaces it
+        rather than pooling with what earlier hours taught (see Engine.forget_timings)."""
+        data = self._read()
+        entry = data.get("costs", {}).get(key)
+        if entry is None:
+            return
+        for held in (entry, _dict(entry.get("target_scale"))):
+            for name in [n for n in held if n.startswith("rounds_")]:
+                held[name] = 0
+        self._write(data)
+
     def forget(self, pair: str) -> None:
         """Drop what runs taught about this pair (a, hit rate, r): the next runs stand alone."""
         data = self._read()

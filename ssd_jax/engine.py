@@ -612,6 +612,17 @@ class Engine:
         autotune.TuneStore(autotune.store_path(self.cache_dir)).forget(self._pair)
         self._warned_slow.clear()  # a new workload: its verdict is news
 
+    def forget_timings(self, mode: str, rows: int, sampled: bool = False) -> None:
+        """Let the next runs of `mode` at `rows` (padded) rows teach the step costs' multiples
+        afresh (TuneStore.restart_multiples): what a decode's steps cost against the start-up
+        timings. Pooled over ACCEPT_WINDOW rounds, an earlier hour's figures kept about half
+        their weight after a whole suite of new answers, and these VMs' speed drifts 10-25%
+        within an hour: session 45's T = 0.7 SD cell, chosen after such a probe, was
+        predicted a 1,039 ms round where it ran 1,189 (+20% tok/s); the store held 1,152
+        after the run. `sampled`: the entry of sampled runs."""
+        store = autotune.TuneStore(autotune.store_path(self.cache_dir))
+        store.restart_multiples(self._cost_key(mode, rows, sampled)[0])
+
     def _learn_ar_scale(self, metrics: RunMetrics, asked: str = "ar", sampled: bool = False
                         ) -> None:
         """An AR run's steps against target(1) (autotune.target_scale_of_run), where step

@@ -211,6 +211,18 @@ def test_store_keeps_costs_and_blends_acceptance(tmp_path):
     store.save_costs("k", costs, note="measured afresh")  # new costs: what runs taught goes
     store.observe_scales("k", rounds=5, verify_overlap=1.5)
     assert store.costs("k").verify_overlap == pytest.approx(1.5)
+    # Restarted multiples stay as a first guess until the next run's lesson replaces them
+    # (the target's per token count too); then runs pool again.
+    store.observe_target_scale("k", 5, 1.3, rounds=W)
+    store.restart_multiples("k")
+    assert store.costs("k").verify_overlap == pytest.approx(1.5)
+    store.observe_scales("k", rounds=5, verify_overlap=1.1)
+    store.observe_target_scale("k", 5, 0.9, rounds=5)
+    assert store.costs("k").verify_overlap == pytest.approx(1.1)
+    assert store.costs("k").target_scale[5] == pytest.approx(0.9)
+    store.observe_scales("k", rounds=5, verify_overlap=1.3)
+    assert store.costs("k").verify_overlap == pytest.approx(1.2)
+    store.restart_multiples("absent")  # nothing stored there: nothing to restart
 
 
 def _noisy_pair(tiny_llama, tmp_path, max_batch: int):
@@ -366,6 +378,14 @@ def test_sampled_runs_learn_their_own_multiples(tiny_llama, tmp_path):
     k1 = str(m.settings["k"] + 1)
     assert got["target_scale"][f"rounds_{k1}"] == len(m.verify_rounds)
     assert got["rounds_sd_draft_scale"] == len(m.draft_rounds)
+    # A bench about to probe a cell restarts that entry's multiples alone (forget_timings):
+    # the next sampled run's lesson replaces them; greedy runs' stay pooled.
+    llm.core.forget_timings("sd", m.settings["rows"], sampled=True)
+    entries = store._read()["costs"]
+    assert entries[g_key] == before
+    assert entries[s_key]["rounds_sd_draft_scale"] == 0
+    assert entries[s_key]["target_scale"][f"rounds_{k1}"] == 0
+    assert entries[s_key]["sd_draft_scale"] == got["sd_draft_scale"]  # kept as a first guess
 
 
 def test_ar_prediction_of_a_target_alone(tiny_llama, tmp_path):

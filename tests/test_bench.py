@@ -215,7 +215,8 @@ def test_interleaved_cells_take_turns(monkeypatch):
 def test_probe_runs_again_where_it_moved_the_choice(monkeypatch):
     """k=auto: a probe that moves the engine's choice is run again at the new choice (what
     a probe teaches at one cell carries to another only roughly), each time on what the
-    engine forgot first, until the choice holds or PROBES probes ran."""
+    engine forgot first, until the choice holds or PROBES probes ran; the step costs'
+    multiples are restarted once, before the first."""
     from bench import measure
     point = measure.Point(k=None, budget=None, fanout=None, c=None, backup=None,
                           temperature=0.0, top_p=1.0, batch=1)
@@ -224,6 +225,9 @@ def test_probe_runs_again_where_it_moved_the_choice(monkeypatch):
     class Core:
         def forget_acceptance(self):
             calls.append("forget")
+
+        def forget_timings(self, mode, rows, sampled):
+            calls.append(("timings", mode, rows, sampled))
 
     class LLM:
         core = Core()
@@ -239,7 +243,8 @@ def test_probe_runs_again_where_it_moved_the_choice(monkeypatch):
         monkeypatch.setattr(measure.Cells, "pin", lambda self, mode, p: (queue.pop(0), None))
         cells = measure.Cells(LLM(), out_len=4, seed=0, ignore_eos=True, progress=False)
         cells.probe("ssd", point, [[1], [2]], [None, None])
-        want = [x for km in probed for x in ("forget", (*km, 1), (*km, 1))]
+        want = [("timings", "ssd", 1, False)]  # once: every probe's answers teach them
+        want += [x for km in probed for x in ("forget", (*km, 1), (*km, 1))]
         assert calls == want and len(probed) <= measure.PROBES
 
 
