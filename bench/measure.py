@@ -128,11 +128,8 @@ class Cells:
         cell). Returns the pinned point and the choice's description."""
         if point.k is not None or mode == "ar":
             return point, None
-        from ssd_jax import SamplingParams
-        sampled = (SamplingParams(temperature=point.temperature, top_p=point.top_p, seed=0)
-                   if point.temperature > 0 else None)  # Saguaro's C is chosen for it
         spec, settings = self.llm.settings(mode, rows=point.batch, spec=point.spec(),
-                                           sampling_params=sampled)
+                                           sampling_params=self._call(point))
         # --ar-fallback: what SpecConfig(ar_fallback=True) gives a user, call by call with what
         # the store holds then (pinned, the choice is predicted before the AR cell's answers
         # teach AR's speed: the first run pinned cells against an AR prediction 15% low); K
@@ -140,6 +137,14 @@ class Cells:
         return dataclasses.replace(point, k=spec.k, budget=spec.budget, backup=spec.backup,
                                    fanout=spec.fanout, c=spec.c,
                                    ar_fallback=self.ar_fallback), settings
+
+    def _call(self, point: Point):
+        """A cell's call as settings() sees it: its answers' length (the model counts the
+        rounds an answer of out_len tokens takes) and, sampled, its settings (Saguaro's C is
+        chosen for them)."""
+        from ssd_jax import SamplingParams
+        return SamplingParams(temperature=point.temperature, top_p=point.top_p, seed=0,
+                              max_new_tokens=self.out_len)
 
     def predicted(self, mode: str, point: Point, chosen: dict | None) -> float | None:
         """The speed model's tok/s for a pinned cell, fixed before it is timed and after its
@@ -155,7 +160,8 @@ class Cells:
                                                measure=True, sampled=point.temperature > 0)
         if point.temperature > 0:
             return None
-        return (self.llm.settings(mode, rows=point.batch, spec=point.spec())[1] or {}).get(
+        return (self.llm.settings(mode, rows=point.batch, spec=point.spec(),
+                                  sampling_params=self._call(point))[1] or {}).get(
             "predicted_tok_s")
 
     def probe(self, mode: str, point: Point, ids, params) -> None:

@@ -32,6 +32,7 @@ Saguaro's C (saguaro_curve.py), and C joins K, M and the backup in the search.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -147,11 +148,44 @@ def _tokens_per_round(a: float, k: int) -> float:
     return float((geometric_probs(a, k) * (np.arange(k + 1) + 1)).sum())
 
 
+# Past this many tokens an answer's expected rounds grow by 1/E a token (rounds_per_answer).
+RENEWAL_HORIZON = 512
+
+
+@functools.lru_cache(maxsize=256)
+def _rounds_to_emit(a: float, k: int, tokens: int) -> float:
+    """Expected rounds until a row has emitted `tokens` tokens, each round emitting n + 1 with
+    n capped-geometric in a: R(t) = 1 + sum_n P(n) R(t - n - 1), R(t <= 0) = 0."""
+    p = geometric_probs(a, k)
+    r = np.zeros(tokens + k + 2)
+    for t in range(1, tokens + 1):
+        r[t + k + 1] = 1 + float(p @ r[t + k + 1 - np.arange(1, k + 2)])
+    return float(r[tokens + k + 1])
+
+
+def rounds_per_answer(a: float, k: int, tokens: int, sync_every: int = 1) -> float:
+    """The rounds one row's answer of `tokens` tokens (after the prefill's) takes: tokens / E
+    and then some, because the last round's tokens past the end are cut off, and the host,
+    which reads the rounds sync_every at a time, runs a row that ends inside such a chunk to
+    the chunk's end ((sync_every - 1) / 2 rounds on average). The Qwen pair's code cells ran
+    ~1.1 rounds an answer over tokens / E at sync_every = 2 (session 46's sweep: 23.25
+    rounds for 95 tokens at E = 4.30), which the model, counting E tokens a round, missed:
+    its predictions ran 2-12% high."""
+    head = min(tokens, RENEWAL_HORIZON)
+    return (_rounds_to_emit(round(float(a), 4), k, head)
+            + (tokens - head) / _tokens_per_round(a, k) + (sync_every - 1) / 2)
+
+
 def predict(costs: StepCosts, k: int, m: int, *, a: float, r: float, batch: int,
-            backup: str = "neural", c: float = 1.0, saguaro=None) -> dict:
+            backup: str = "neural", c: float = 1.0, saguaro=None,
+            answer: tuple[int, int] | None = None) -> dict:
     """`saguaro`: a sampled run's saguaro_curve.SaguaroCurve, which gives acceptance and hit
-    rate at Saguaro's C (None: greedy, the power-law hit model above)."""
+    rate at Saguaro's C (None: greedy, the power-law hit model above). `answer`: (tokens an
+    answer decodes after the prefill's, the host's sync_every), to count the rounds an answer
+    of that length takes (rounds_per_answer); None: a long answer's E tokens a round. A
+    batch's rows are taken as ending together (the longest row's wait is not modelled)."""
     e_sd = _tokens_per_round(a, k)  # SD has no Saguaro: its acceptance is a
+    a_sd = a
     fan = FanoutModel("geometric", k, m, a=a, r=r).primary()
     if saguaro is None:
         p = hit_rate(a, r, fan)
@@ -166,10 +200,15 @@ def predict(costs: StepCosts, k: int, m: int, *, a: float, r: float, batch: int,
     e_miss = e if backup == "neural" else FAST_E_MISS
     speedup = ssd_speedup(p, p ** batch, e, e_miss,
                           expected_wait(t_build / t_v, costs.round_spread), t_backup / t_v)
+    sd_short = ssd_short = 1.0  # a short answer's tokens a round against E
+    if answer is not None:
+        tokens, sync_every = answer
+        sd_short = tokens / e_sd / rounds_per_answer(a_sd, k, tokens, sync_every)
+        ssd_short = tokens / e / rounds_per_answer(a, k, tokens, sync_every)
     return dict(hit_rate=p, tokens_per_round=e, fanout=[int(x) for x in fan], a=a,
-                ssd=batch * speedup / t_v,
-                sd=batch * e_sd / (k * costs.draft_at(1) * costs.sd_draft_scale
-                                   + costs.target_run(k + 1)),
+                ssd=batch * speedup / t_v * ssd_short,
+                sd=batch * e_sd * sd_short / (k * costs.draft_at(1) * costs.sd_draft_scale
+                                              + costs.target_run(k + 1)),
                 ar=batch / costs.target_run(1))
 
 
@@ -283,10 +322,11 @@ def miss_exponent(a: float, fan: Sequence[int], hit: float) -> float:
 
 
 def choose(costs: StepCosts, *, a: float = PRIOR_A, r: float = PRIOR_R, batch: int = 1,
-           mode: str = "ssd", saguaro=None, c: float | None = None) -> Choice:
+           mode: str = "ssd", saguaro=None, c: float | None = None,
+           answer: tuple[int, int] | None = None) -> Choice:
     """The (K, M, backup and, with a sampled run's `saguaro` curve, C) with the highest
     predicted tok/s for `mode` ("ssd" or "sd"). `c`: Saguaro's C given by the caller (the
-    curve then only predicts acceptance and hit rate at it)."""
+    curve then only predicts acceptance and hit rate at it). `answer`: as predict's."""
     best = None
     k_max = max(t for t in costs.target) - 1
     cs = ((c,) if c is not None else
@@ -296,7 +336,7 @@ def choose(costs: StepCosts, *, a: float = PRIOR_A, r: float = PRIOR_R, batch: i
             for m in range(k + 1, min(M_MAX, 4 * (k + 1)) + 1):
                 for backup in ("neural", "fast"):
                     pred = predict(costs, k, m, a=a, r=r, batch=batch, backup=backup,
-                                   c=c_try, saguaro=saguaro)
+                                   c=c_try, saguaro=saguaro, answer=answer)
                     score = pred[mode]
                     if best is None or score > best[0] + 1e-9:
                         best = (score, k, m, backup, c_try, pred)

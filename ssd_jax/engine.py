@@ -476,10 +476,12 @@ class Engine:
         return costs
 
     def _spec_for(self, spec: SpecConfig, mode: str, rows: int,
-                  sampling: SamplingParams | None = None
+                  sampling: SamplingParams | None = None, answer_tokens: int | None = None
                   ) -> tuple[SpecConfig, autotune.Choice | None]:
         """The settings of this run: the caller's, or chosen through the speed model.
-        `sampling`: the run's (first sampled row's) settings, for Saguaro's C."""
+        `sampling`: the run's (first sampled row's) settings, for Saguaro's C.
+        `answer_tokens`: the tokens its longest answer decodes after the prefill's (the model
+        then counts the rounds such an answer takes: autotune.rounds_per_answer)."""
         if mode == "ar" or not spec.auto:
             self._saguaro(mode, sampling, measure=False)  # for learn(), if one is stored
             return replace(spec, backup=spec.backup_or_default, c=spec.c or 1.0), None
@@ -487,7 +489,8 @@ class Engine:
         curve = self._saguaro(mode, sampling)  # a sampled run's hit model, given C or not
         sampled = sampling is not None and sampling.temperature > 0
         choice = autotune.choose(self._step_costs(mode, rows, sampled), a=a, r=r, batch=rows,
-                                 mode=mode, saguaro=curve, c=spec.c)
+                                 mode=mode, saguaro=curve, c=spec.c,
+                                 answer=self._answer(answer_tokens))
         if choice != self._logged_choice:  # warmup and the run choose alike: say it once
             log.info("automatic settings (%s): %s", mode.upper(), choice.describe())
             if not choice.ar_is_faster(mode):
@@ -510,6 +513,10 @@ class Engine:
         return replace(spec, k=choice.k, budget=choice.budget,
                        backup=spec.backup or choice.backup,
                        c=spec.c or choice.c or 1.0), choice
+
+    def _answer(self, tokens: int | None) -> tuple[int, int] | None:
+        """autotune.predict's `answer` for answers of `tokens` tokens after the prefill's."""
+        return None if tokens is None or tokens < 1 else (tokens, self.config.sync_every)
 
     def _saguaro(self, mode: str, sampling: SamplingParams | None, measure: bool = True):
         """How C moves acceptance and hit rate for this pair at these sampling settings
@@ -692,13 +699,16 @@ class Engine:
                  sampling: SamplingParams | None = None) -> tuple[SpecConfig, dict | None]:
         """The settings a run of `rows` (padded) rows would use now, resolved (automatic ones
         chosen, measuring step costs once), and their description as metrics.settings has it.
-        `sampling`: a sampled run's settings (Saguaro's C is chosen for them)."""
-        resolved, choice = self._spec_for(spec, mode, rows, sampling)
+        `sampling`: the run's settings (Saguaro's C is chosen for sampled ones; its
+        max_new_tokens sets the answer length the prediction counts rounds for)."""
+        answer = None if sampling is None else sampling.max_new_tokens - 1
+        resolved, choice = self._spec_for(spec, mode, rows, sampling, answer)
         greedy = sampling is None or sampling.temperature == 0
-        return resolved, self._settings(resolved, mode, choice, rows, greedy)
+        return resolved, self._settings(resolved, mode, choice, rows, greedy, answer)
 
     def _settings(self, spec: SpecConfig, mode: str, choice: autotune.Choice | None,
-                  rows: int, greedy: bool = False) -> dict | None:
+                  rows: int, greedy: bool = False, answer_tokens: int | None = None
+                  ) -> dict | None:
         """What ran, for metrics and bench results: settings and, when chosen, the prediction.
         `rows`: the padded batch (the key of its step costs). Settings given by the caller get
         the same model's prediction for them when the run is greedy (`greedy`) and step costs
@@ -719,7 +729,7 @@ class Engine:
             if costs is not None and spec.k + 1 in costs.target:
                 a, r = store.acceptance(self._pair)
                 pred = autotune.predict(costs, spec.k, spec.branches, a=a, r=r, batch=rows,
-                                        backup=spec.backup)
+                                        backup=spec.backup, answer=self._answer(answer_tokens))
                 out.update(predicted_tok_s=pred[mode], predicted_hit_rate=pred["hit_rate"],
                            a_prior=a, r_prior=r, fanout_lists=pred["fanout"],
                            overlap=[costs.verify_overlap, costs.build_overlap,
@@ -734,7 +744,8 @@ class Engine:
         check_fits(ids, params, mode, *fits)  # batch size and context, before any measuring
         rows, prompt = padded_shape([len(t) for t in ids], self.config.prefill_bucket)
         sampled = next((p for p in params if p.temperature > 0), None)
-        spec, choice = self._spec_for(spec, mode, rows, sampled)
+        spec, choice = self._spec_for(spec, mode, rows, sampled,
+                                      max(p.max_new_tokens for p in params) - 1)
         need = check_fits(ids, params, mode, *fits, k=spec.k or 0)
         return spec, choice, (rows, prompt, _cache_len(need, prompt, mode, spec.k))
 
@@ -768,7 +779,8 @@ class Engine:
         says so), its metrics.settings, and the speed model's prediction it decided on (None:
         nothing to decide)."""
         settings = self._settings(spec, mode, choice, rows,
-                                  all(p.temperature == 0 for p in params))
+                                  all(p.temperature == 0 for p in params),
+                                  max(p.max_new_tokens for p in params) - 1)
         predicted = self._fallback_prediction(mode, spec, choice, rows, params)
         if predicted is not None:  # what this call decided on, whichever way it went
             settings.update(predicted=predicted)
@@ -808,7 +820,8 @@ class Engine:
         a, r = autotune.TuneStore(autotune.store_path(self.cache_dir)).acceptance(self._pair)
         pred = autotune.predict(costs, spec.k, spec.branches, a=a, r=r, batch=rows,
                                 backup=spec.backup, c=spec.c or 1.0,
-                                saguaro=self._saguaro(mode, sampling))
+                                saguaro=self._saguaro(mode, sampling),
+                                answer=self._answer(max(p.max_new_tokens for p in params) - 1))
         return {x: pred[x] for x in ("ar", "sd", "ssd")}
 
     def _falls_back(self, mode: str, predicted: dict | None, count: list[int]) -> bool:

@@ -150,6 +150,40 @@ def test_choice_follows_the_costs():
     assert not sd.ar_is_faster("sd") and not cheap.ar_is_faster("ssd")
 
 
+def test_rounds_per_answer_match_a_simulated_decode():
+    """An answer's rounds against an independent simulation of the loop: rounds dispatched
+    sync_every at a time, the host reading after each chunk whether the row has its tokens
+    (each round emitting n + 1, n drawn from the capped-geometric law)."""
+    from ssd_jax.core.fanout import geometric_probs
+    rng = np.random.default_rng(0)
+    for a, k, tokens, sync in ((0.92, 4, 95, 2), (0.6, 3, 40, 1), (0.8, 2, 200, 8)):
+        rounds = []
+        for _ in range(4000):
+            got = n = 0
+            while got < tokens:
+                emitted = rng.choice(k + 1, size=sync, p=geometric_probs(a, k)) + 1
+                got, n = got + emitted.sum(), n + sync
+                if got >= tokens:  # the rounds of the chunk after the row's end still ran
+                    break
+            rounds.append(n)
+        want = float(np.mean(rounds))
+        assert autotune.rounds_per_answer(a, k, tokens, sync) == pytest.approx(want, rel=0.02)
+    # Long answers: E tokens a round; past the horizon the count grows by 1 / E a token.
+    e = autotune._tokens_per_round(0.9, 4)
+    long = autotune.rounds_per_answer(0.9, 4, 20_000)
+    assert long == pytest.approx(20_000 / e, rel=1e-3)
+    assert (autotune.rounds_per_answer(0.9, 4, 20_001) - long) == pytest.approx(1 / e)
+    # The prediction for short answers: SD and SSD by E over the tokens a round, AR as it was.
+    costs = _costs(0.25, 0.03, 0.1)
+    steady = predict(costs, 3, 6, a=0.8, r=1.5, batch=1)
+    short = predict(costs, 3, 6, a=0.8, r=1.5, batch=1, answer=(63, 2))
+    ratio = 63 / autotune._tokens_per_round(0.8, 3) / autotune.rounds_per_answer(0.8, 3, 63, 2)
+    assert ratio < 0.97
+    assert short["sd"] == pytest.approx(steady["sd"] * ratio)
+    assert short["ssd"] == pytest.approx(steady["ssd"] * ratio)
+    assert short["ar"] == steady["ar"]
+
+
 def test_acceptance_is_recovered_from_accept_lengths():
     """Rounds drawn from the capped-geometric law give back its a."""
     from ssd_jax.core.fanout import geometric_probs
@@ -278,7 +312,8 @@ def test_engine_chooses_settings_and_stays_exact(tiny_llama, tmp_path, caplog):
     given = llm.generate(prompts, p, mode="ssd", spec=SpecConfig(k=2, budget=5))[0].metrics
     want = autotune.predict(TuneStore(tmp_path / "autotune.json").costs(
         llm.core._cost_key("ssd", given.settings["rows"])[0]), 2, 5, a=given.settings["a_prior"],
-        r=given.settings["r_prior"], batch=given.settings["rows"])["ssd"]
+        r=given.settings["r_prior"], batch=given.settings["rows"],
+        answer=(11, llm.core.config.sync_every))["ssd"]  # 12 tokens: 11 after the prefill's
     assert not given.settings["automatic"]
     assert given.settings["predicted_tok_s"] == pytest.approx(want)
     store = TuneStore(tmp_path / "autotune.json")
