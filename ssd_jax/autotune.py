@@ -27,6 +27,8 @@ theorem fan-out of M over the K+1 outcomes (fanout.py):
   (StepCosts.round_spread; with none, w = max(1, t_build / t_v) as the paper has it)
   SD tok/s  = B E / (K draft(1) sd_draft_scale + target_run(K+1)),  AR tok/s = B / target_run(1)
   with target_run(T) = target(T) target_scale(T) (1 where no run has taught it)
+  and, for a call of known answer length L, SD and SSD by (L / E) / rounds_per_answer: the
+  last round's cut tokens and the rounds a sync_every chunk runs past an answer's end
 A sampled SSD run replaces the hit model (and scales a) with the pair's measured response to
 Saguaro's C (saguaro_curve.py), and C joins K, M and the backup in the search.
 """

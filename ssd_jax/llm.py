@@ -389,8 +389,9 @@ class LLM:
         automatic settings: chosen as that call would choose them), and their description (K,
         budget, backup, and when chosen the speed model's prediction). Passing the resolved
         SpecConfig as `spec=` pins them: automatic choices follow the pair's learnt acceptance
-        from call to call, so K may change between calls otherwise. `sampling_params`: a
-        sampled call's settings (for them SSD also chooses Saguaro's C)."""
+        from call to call, so K may change between calls otherwise. `sampling_params`: the
+        call's settings: its max_new_tokens sets the answer length the prediction counts
+        rounds for, and for a sampled call SSD also chooses Saguaro's C."""
         mode, spec, _ = self._call(mode, spec, None)
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise ValueError(f"rows={rows!r} is invalid: give the number of rows a call would "
