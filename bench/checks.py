@@ -76,6 +76,20 @@ def validate(args) -> tuple[list[str], list[Point]]:
     return list(suites), list(dict.fromkeys(points))
 
 
+def extras_suites(args, suites: list[str]) -> list[str]:
+    """The suites --all-cores and --peers run on (--extras-suite, default every suite of the
+    run): those cells are reference points for a CPU user choosing a mode, and on a slow host
+    they are most of a four-suite run's time (the Qwen pair: ~80 of ~200 min)."""
+    if args.extras_suite is None:
+        return suites
+    chosen = [s.strip() for s in args.extras_suite.split(",")]
+    for s in chosen:
+        if s not in suites:
+            raise BenchError(f"--extras-suite {s!r} is not a suite of this run: use one or more "
+                             f"of {', '.join(suites)}")
+    return [s for s in suites if s in chosen]
+
+
 def device_split(args) -> tuple[int, int] | None:
     """(target, draft) devices, checked against what this machine has."""
     if args.target_devices is None and args.draft_devices is None:

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.checks import BenchError, device_split, engine_config, validate
+from bench.checks import BenchError, device_split, engine_config, extras_suites, validate
 from bench.measure import Cells, Point, encode
 from bench.suites import SUITES, load_suite
 from ssd_jax.__main__ import parse_lookahead
@@ -110,6 +110,8 @@ def parser() -> argparse.ArgumentParser:
       "and then); each such cell reports how many answers ran AR")
     a("--peers", action="store_true",
       help="also time transformers AR and transformers assisted generation (our draft)")
+    a("--extras-suite", default=None, metavar="SUITE,...",
+      help="suites that --all-cores and --peers run on (default: every suite of the run)")
     a("--torch-threads", type=int, default=None,
       help="torch threads for --peers (default: the cores the target gets)")
     a("--no-phases", action="store_true",
@@ -155,6 +157,7 @@ def run(args, argv) -> dict:
     args.target = args.target or PAIRS[args.pair][0]
     args.draft = args.draft or PAIRS[args.pair][1]
     suites, points = validate(args)
+    extras = extras_suites(args, suites)
     modes = list(MODES) if args.mode == "all" else [args.mode]
     needs_draft = any(m != "ar" for m in modes)
     load_draft = needs_draft or args.driver == "processes"  # the workers load both models
@@ -265,16 +268,19 @@ def run(args, argv) -> dict:
 
     if args.all_cores and driver == "processes":
         out_cells += extra("--all-cores", lambda: run_all_cores(
-            args, make_llm, engine, points, modes, suites, ids))
+            args, make_llm, engine, points, modes, extras, ids))
         notes.append(f"ar-all / sd-all: AR and SD in the bench's own process on all "
                      f"{len(os.sched_getaffinity(0))} usable cores (XLA:CPU spreads each "
                      "computation over them), the choice of a CPU user without SSD.")
+    if (args.all_cores or args.peers) and extras != suites:
+        notes.append(f"The --all-cores and --peers cells ran on {', '.join(extras)} only "
+                     "(--extras-suite).")
     threads = args.torch_threads or (1 if driver == "processes" else os.cpu_count())
     if args.peers:
         chosen = [c["k"] for c in out_cells if c["mode"] == "sd" and c.get("automatic")
                   and c["k"] is not None]
         out_cells += extra("--peers", lambda: run_peers(
-            args, points[0], suites, ids, needs_draft, threads,
+            args, points[0], extras, ids, needs_draft, threads,
             peer_k=chosen[0] if chosen else 4))
     if driver != "processes" and "ssd" in modes:
         import jax

@@ -111,7 +111,9 @@ def summary_table(results: dict) -> str:
         for m in modes:
             sel = [c for c in cells if c["mode"] == m and suite in (c["suite"], "all")]
             s = sum(c["decode_s"] for c in sel)
-            rate[m] = sum(c["decode_tokens"] for c in sel) / s if s else None
+            # a mode timed on some suites only (--extras-suite) has no all-suites rate
+            whole = suite != "all" or {c["suite"] for c in sel} == set(suites)
+            rate[m] = sum(c["decode_tokens"] for c in sel) / s if s and whole else None
         row = [_f(rate[m]) for m in modes]
         if extra:
             ratio = lambda a, b: rate[a] / rate[b] if rate.get(a) and rate.get(b) else None

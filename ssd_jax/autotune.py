@@ -172,7 +172,8 @@ def rounds_per_answer(a: float, k: int, tokens: int, sync_every: int = 1) -> flo
     the chunk's end ((sync_every - 1) / 2 rounds on average). The Qwen pair's code cells ran
     ~1.1 rounds an answer over tokens / E at sync_every = 2 (session 46's sweep: 23.25
     rounds for 95 tokens at E = 4.30), which the model, counting E tokens a round, missed:
-    its predictions ran 2-12% high."""
+    6 of that sweep's 9 cells ran 2-12% under their prediction (the K = 3 SSD cells, 2-4%
+    over it)."""
     head = min(tokens, RENEWAL_HORIZON)
     return (_rounds_to_emit(round(float(a), 4), k, head)
             + (tokens - head) / _tokens_per_round(a, k) + (sync_every - 1) / 2)

@@ -744,8 +744,7 @@ class Engine:
         check_fits(ids, params, mode, *fits)  # batch size and context, before any measuring
         rows, prompt = padded_shape([len(t) for t in ids], self.config.prefill_bucket)
         sampled = next((p for p in params if p.temperature > 0), None)
-        spec, choice = self._spec_for(spec, mode, rows, sampled,
-                                      max(p.max_new_tokens for p in params) - 1)
+        spec, choice = self._spec_for(spec, mode, rows, sampled, _answer_tokens(params))
         need = check_fits(ids, params, mode, *fits, k=spec.k or 0)
         return spec, choice, (rows, prompt, _cache_len(need, prompt, mode, spec.k))
 
@@ -779,8 +778,7 @@ class Engine:
         says so), its metrics.settings, and the speed model's prediction it decided on (None:
         nothing to decide)."""
         settings = self._settings(spec, mode, choice, rows,
-                                  all(p.temperature == 0 for p in params),
-                                  max(p.max_new_tokens for p in params) - 1)
+                                  all(p.temperature == 0 for p in params), _answer_tokens(params))
         predicted = self._fallback_prediction(mode, spec, choice, rows, params)
         if predicted is not None:  # what this call decided on, whichever way it went
             settings.update(predicted=predicted)
@@ -821,7 +819,7 @@ class Engine:
         pred = autotune.predict(costs, spec.k, spec.branches, a=a, r=r, batch=rows,
                                 backup=spec.backup, c=spec.c or 1.0,
                                 saguaro=self._saguaro(mode, sampling),
-                                answer=self._answer(max(p.max_new_tokens for p in params) - 1))
+                                answer=self._answer(_answer_tokens(params)))
         return {x: pred[x] for x in ("ar", "sd", "ssd")}
 
     def _falls_back(self, mode: str, predicted: dict | None, count: list[int]) -> bool:
@@ -989,6 +987,12 @@ class Engine:
                                  seq_len, link.to_draft)
         return ssd_loop(target, draft, link, metrics, self.config.sync_every,
                         timed=metrics.sync_phases)
+
+
+def _answer_tokens(params: list[SamplingParams]) -> int:
+    """The tokens a call's longest answer decodes after the prefill's first one: what the
+    speed model counts rounds for (autotune.rounds_per_answer)."""
+    return max(p.max_new_tokens for p in params) - 1
 
 
 def _cache_len(need: int, prompt: int, mode: str, k: int | None) -> int:

@@ -318,11 +318,30 @@ def test_math_answers():
     (["--sweep-k", "2,x"], "comma-separated list"),
     (["--target-devices", "0"], "--target-devices 0 is invalid"),
     (["--batch", "4", "--num-prompts", "2"], "batch 4 is larger than --num-prompts 2"),
+    (["--suite", "code", "--extras-suite", "math"], "--extras-suite 'math' is not a suite of"),
 ])
 def test_bad_flags_exit_2_with_one_line(argv, needle, capsys):
     assert main(argv + ["--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1 and err.startswith("ssd-bench: error:")
+
+
+def test_a_mode_timed_on_some_suites_has_no_all_suites_rate():
+    """--extras-suite: the all-cores and peer cells run on some suites; the summary's "all" row
+    pools every suite, so those modes show none there rather than one suite's rate."""
+    from bench.results import summary_table
+
+    def cell(mode, suite, tok_s):
+        return dict(mode=mode, suite=suite, decode_tokens=100, decode_s=100 / tok_s, k=None,
+                    budget=None, fanout=None, c=None, backup=None, temperature=0.0, top_p=1.0,
+                    batch=1)
+    base = dict(k=None, budget=None, fanout=None, c=None, backup=None, temperature=0.0,
+                top_p=1.0, batch=1)
+    cells = [cell("ar", "code", 2.0), cell("ar", "chat", 2.0), cell("ar-all", "code", 3.0)]
+    lines = summary_table(dict(base=base, cells=cells)).splitlines()[2:]
+    rows = {r[0]: r[1:] for r in ([x.strip() for x in line.strip("|").split("|")]
+                                  for line in lines)}
+    assert rows == {"code": ["2.0", "3.0"], "chat": ["2.0", "–"], "all": ["2.0", "–"]}
 
 
 # ------------------------------------------------------------------ HF export
