@@ -47,10 +47,9 @@ bench: $(STAMP)
 # ~2 h and the second ~80 min, idle machine. The all-cores and transformers cells (reference
 # points for a CPU user choosing a mode) run on the code suite only: on all four suites they
 # would add ~80 minutes (from their cell times in earlier runs), putting the two runs past a
-# working session. The draft keeps its
-# whole LM head in bf16: with the 32768-token short list (--draft-vocab), a third of the
-# positions where the draft guessed wrong on code held a target token outside the list, each a
-# certain rejection and SSD cache miss (session 44).
+# working session. The draft keeps its whole LM head in bf16: with the 32768-token short list
+# (--draft-vocab), a third of the positions where the draft guessed wrong on code held a target
+# token outside the list, each a certain rejection and SSD cache miss (session 44).
 bench-real: $(STAMP)
 	$(VENV)/bin/ssd-bench --pair qwen2.5-coder --mode all --suite all --num-prompts 8 \
 		--output-len 96 --k auto --draft-precision bf16 --all-cores --interleave --peers \
