@@ -13,11 +13,22 @@ class BenchError(Exception):
     """A bad flag or set-up problem: printed as one line (with the fix), exit code 2."""
 
 
+def suite_names(text: str, among: tuple[str, ...] | list[str], flag: str,
+                what: str = "a suite") -> list[str]:
+    """The suites a comma list names ("all": every one of `among`), in `among`'s order; a name
+    not in `among` is one line naming the flag and the choices (--suite and --extras-suite)."""
+    if text.strip() == "all":
+        return list(among)
+    named = [s.strip() for s in text.split(",")]
+    for s in named:
+        if s not in among:
+            raise BenchError(f"{flag} {s!r} is not {what}: use one or more of "
+                             f"{', '.join(among)}, or all")
+    return [s for s in among if s in named]
+
+
 def validate(args) -> tuple[list[str], list[Point]]:
-    suites = SUITES if args.suite == "all" else tuple(s.strip() for s in args.suite.split(","))
-    for s in suites:
-        if s not in SUITES:
-            raise BenchError(f"unknown suite {s!r}: use one of {', '.join(SUITES)} or all")
+    suites = suite_names(args.suite, SUITES, "--suite")
     for flag, v in (("--batch", args.batch), ("--num-prompts", args.num_prompts),
                     ("--output-len", args.output_len), ("--calib-prompts", args.calib_prompts),
                     ("--prefill-bucket", args.prefill_bucket), ("--sync-every", args.sync_every),
@@ -82,12 +93,7 @@ def extras_suites(args, suites: list[str]) -> list[str]:
     they are most of a four-suite run's time (the Qwen pair: ~80 of ~200 min)."""
     if args.extras_suite is None:
         return suites
-    chosen = [s.strip() for s in args.extras_suite.split(",")]
-    for s in chosen:
-        if s not in suites:
-            raise BenchError(f"--extras-suite {s!r} is not a suite of this run: use one or more "
-                             f"of {', '.join(suites)}")
-    return [s for s in suites if s in chosen]
+    return suite_names(args.extras_suite, suites, "--extras-suite", "a suite of this run")
 
 
 def device_split(args) -> tuple[int, int] | None:

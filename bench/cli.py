@@ -111,7 +111,8 @@ def parser() -> argparse.ArgumentParser:
     a("--peers", action="store_true",
       help="also time transformers AR and transformers assisted generation (our draft)")
     a("--extras-suite", default=None, metavar="SUITE,...",
-      help="suites that --all-cores and --peers run on (default: every suite of the run)")
+      help="suites that --all-cores and --peers run on: a comma list or all (default: every "
+           "suite of the run)")
     a("--torch-threads", type=int, default=None,
       help="torch threads for --peers (default: the cores the target gets)")
     a("--no-phases", action="store_true",

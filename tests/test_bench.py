@@ -308,7 +308,8 @@ def test_math_answers():
 
 # ------------------------------------------------------------------ bad flags
 @pytest.mark.parametrize("argv, needle", [
-    (["--suite", "poetry"], "unknown suite 'poetry': use one of code, math, instructions, chat"),
+    (["--suite", "poetry"],
+     "--suite 'poetry' is not a suite: use one or more of code, math, instructions, chat, or all"),
     (["--k", "3", "--ar-fallback"], "use it with --k auto"),
     (["--k", "0"], "K=0 is invalid: lookahead must be >= 1"),
     (["--k", "four"], "'four' is not a lookahead: give an integer or auto"),
@@ -324,6 +325,21 @@ def test_bad_flags_exit_2_with_one_line(argv, needle, capsys):
     assert main(argv + ["--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1 and err.startswith("ssd-bench: error:")
+
+
+def test_suite_lists_take_all_and_keep_the_run_order():
+    """--suite and --extras-suite share one parser: "all", the run's order, one bad name."""
+    from argparse import Namespace
+
+    from bench.checks import BenchError, extras_suites, suite_names
+    assert suite_names("all", suites.SUITES, "--suite") == list(suites.SUITES)
+    assert suite_names(" chat, code ", suites.SUITES, "--suite") == ["code", "chat"]
+    run = ["code", "chat"]
+    assert extras_suites(Namespace(extras_suite=None), run) == run
+    assert extras_suites(Namespace(extras_suite="all"), run) == run
+    assert extras_suites(Namespace(extras_suite="chat"), run) == ["chat"]
+    with pytest.raises(BenchError, match="'math' is not a suite of this run"):
+        extras_suites(Namespace(extras_suite="code,math"), run)
 
 
 def test_a_mode_timed_on_some_suites_has_no_all_suites_rate():
