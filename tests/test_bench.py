@@ -248,6 +248,43 @@ def test_probe_runs_again_where_it_moved_the_choice(monkeypatch):
         assert calls == want and len(probed) <= measure.PROBES
 
 
+def test_ar_step_costs_are_measured_before_the_warm_up_that_teaches_them(monkeypatch):
+    """An AR cell measures the target's step costs (where none are stored) and restarts
+    their multiples before its warm-up answer, so that answer teaches their decode-time
+    multiple before the cell's prediction; measured after it, the prediction was start-up
+    timing alone."""
+    from bench import measure
+    point = measure.Point(k=None, budget=None, fanout=None, c=None, backup=None,
+                          temperature=0.0, top_p=1.0, batch=1)
+    calls = []
+
+    class Core:
+        def ar_prediction(self, rows, measure=False, sampled=False):
+            calls.append(("costs", rows, measure))
+            return 4.0
+
+        def forget_timings(self, mode, rows, sampled):
+            calls.append(("timings", mode, rows, sampled))
+
+    class LLM:
+        core = Core()
+
+        def driver(self, mode):
+            return "processes"
+
+        def shapes(self, ids, params, **kw):
+            return len(ids)
+
+        def generate(self, ids, params, mode, chat, spec):
+            calls.append(("answer", mode, len(ids)))
+
+    cells = measure.Cells(LLM(), out_len=4, seed=0, ignore_eos=True, progress=False)
+    pending = cells.prepare("ar", "code", point, [[1], [2]])
+    assert calls == [("costs", 1, True), ("timings", "ar", 1, False), ("answer", "ar", 1),
+                     ("costs", 1, True)]
+    assert pending.agg.predicted == 4.0
+
+
 # ------------------------------------------------------------------ suites
 @pytest.mark.parametrize("name", suites.SUITES)
 def test_suites_are_deterministic_and_large(name):
