@@ -100,10 +100,12 @@ class Cells:
                        self.llm.shapes(*args, **kw))
                 if key in self.warm:
                     continue
-                if self.driver(m) == "processes":
+                if self.driver(m) == "processes" or m == "ar":
                     # A full generate: LLM.warmup stops after the first chunk, and closing
                     # the worker stream early stops the worker pool (its programs would
-                    # recompile).
+                    # recompile); an AR answer teaches its steps' decode-time multiple (a
+                    # first chunk teaches nothing: in one process on both cores, AR was
+                    # predicted from start-up timing alone, 26% below what it ran).
                     self.llm.generate(*args, **kw)
                 else:
                     self.llm.warmup(*args, **kw)
@@ -179,7 +181,10 @@ class Cells:
         then chose a hit rate of 0.90 (+18% tok/s); that cell hit 0.81, and its own answers
         taught r = 0.80. So a probe that moves the choice runs again at the new one, up to
         PROBES times in all, and the cell is timed where the last probe ran (unless the
-        choice still moved)."""
+        choice still moved).
+        In one process (the single driver) the probe's phases are timed (sync_phases) so its
+        rounds teach the step costs' multiples, as worker processes' always do: untimed, SD
+        on both cores was predicted from start-up timing alone, 16% below what it ran."""
         if point.k is not None or mode == "ar":
             return
         probe, _ = self.pin(mode, point)
@@ -194,7 +199,8 @@ class Cells:
             speculate = dataclasses.replace(probe, ar_fallback=False).spec()
             for b in self._batches(ids, point):
                 self.llm.generate([ids[i] for i in b], [params[i] for i in b], mode=mode,
-                                  chat=False, spec=speculate)
+                                  chat=False, spec=speculate,
+                                  sync_phases=self.driver(mode) == "single")
             chosen, _ = self.pin(mode, point)
             if chosen == probe:
                 return

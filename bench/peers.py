@@ -108,5 +108,13 @@ class TorchPeers:
                     tokens_per_round=None, acceptance=None, accept_hist=None, ssd=None,
                     driver=f"torch, {self.threads} thread(s)", warmup_s=warm_s,
                     finish=["length" if len(o) >= out_len else "stop" for o in outputs],
-                    outputs=outputs,
+                    outputs=outputs, stop_ids=self._stop_ids(),
                     torch_threads=self.threads)
+
+    def _stop_ids(self) -> list[int]:
+        """The target's end-of-answer tokens: its greedy answers equal our AR's up to the
+        first of them (bench.results.annotate). Past it, with EOS ignored, the two decode on
+        differently: our AR emits the stop token and goes on, transformers' min_new_tokens
+        bans it and emits the runner-up."""
+        eos = self.target.generation_config.eos_token_id
+        return [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]

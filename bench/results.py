@@ -59,6 +59,16 @@ def _backup_time(cells, calib, cell, phases) -> float:
     return phases["t_backup_est"]
 
 
+def _same(out: list[int], ar: list[int], stop_ids: list[int] | None) -> bool:
+    """A greedy answer equals AR's; with `stop_ids` (transformers' cells), up to AR's first
+    stop token, where the answer ends (what follows it, with EOS ignored, each stack makes
+    its own way: bench.peers)."""
+    if stop_ids:
+        end = next((i for i, t in enumerate(ar) if t in stop_ids), len(ar))
+        return out[:end] == ar[:end]
+    return out == ar
+
+
 def annotate(results: dict) -> dict:
     """Adds speedup_vs_ar, matches_ar (greedy) and prediction to every cell, in place."""
     cells = results["cells"]
@@ -70,7 +80,8 @@ def annotate(results: dict) -> dict:
                                  if ar and same_batch and ar["decode_tok_s"] else None)
         cell["matches_ar"] = None
         if ar is not None and cell["temperature"] == 0 and cell["mode"] != "ar":
-            eq = sum(a == b for a, b in zip(cell["outputs"], ar["outputs"]))
+            eq = sum(_same(a, b, cell.get("stop_ids")) for a, b in zip(cell["outputs"],
+                                                                         ar["outputs"]))
             cell["matches_ar"] = [eq, len(cell["outputs"])]
         cell["prediction"] = None
         phases = cell.get("phases") or calib.get((cell["mode"], point_of(cell)))

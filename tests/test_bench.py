@@ -62,6 +62,23 @@ def test_json_schema_and_greedy_equality(run):
     assert ssd["prediction"] is not None and ssd["prediction"]["thm7_speedup"] > 0
 
 
+def test_peers_equal_ar_up_to_the_answers_end():
+    """transformers' cells (stop_ids) equal AR up to AR's first stop token, where the answer
+    ends: past it, with EOS ignored, our AR emits the stop token and goes on while
+    transformers' min_new_tokens bans it. Our own modes are held to the whole output."""
+    from bench.results import annotate
+    base = dict(suite="code", temperature=0.0, batch=1, num_prompts=2, decode_tok_s=1.0,
+                k=None, budget=None, fanout=None, c=None, backup=None, top_p=1.0)
+    ar = dict(base, mode="ar", outputs=[[5, 6, 2, 7], [5, 6, 7, 8]])
+    past_end = [[5, 6, 9, 9], [5, 6, 7, 8]]  # row 0 departs at AR's stop token (2)
+    before_end = [[5, 4, 2, 7], [5, 6, 7, 9]]  # departs before it; row 1 has none
+    cells = [ar, dict(base, mode="hf-ar", outputs=past_end, stop_ids=[2, 3]),
+             dict(base, mode="hf-assisted", outputs=before_end, stop_ids=[2]),
+             dict(base, mode="sd", outputs=past_end)]
+    annotate(dict(cells=cells))
+    assert [c["matches_ar"] for c in cells[1:]] == [[2, 2], [0, 2], [1, 2]]
+
+
 def test_plots_and_readme_section(run, tmp_path):
     res, out = run
     for name in res["plots"]:
@@ -216,7 +233,9 @@ def test_probe_runs_again_where_it_moved_the_choice(monkeypatch):
     """k=auto: a probe that moves the engine's choice is run again at the new choice (what
     a probe teaches at one cell carries to another only roughly), each time on what the
     engine forgot first, until the choice holds or PROBES probes ran; the step costs'
-    multiples are restarted once, before the first."""
+    multiples are restarted once, before the first. In one process (the single driver) the
+    probe's phases are timed, so its rounds teach those multiples; worker processes always
+    time them."""
     from bench import measure
     point = measure.Point(k=None, budget=None, fanout=None, c=None, backup=None,
                           temperature=0.0, top_p=1.0, batch=1)
@@ -232,27 +251,40 @@ def test_probe_runs_again_where_it_moved_the_choice(monkeypatch):
     class LLM:
         core = Core()
 
-        def generate(self, ids, params, mode, chat, spec):
-            calls.append((spec.k, spec.budget, len(ids)))
+        def __init__(self, driver):
+            self.driver = lambda mode: driver
 
+        def generate(self, ids, params, mode, chat, spec, sync_phases):
+            calls.append((spec.k, spec.budget, len(ids)))
+            timed.add(sync_phases)
+
+    for driver in ("single", "processes"):
+        calls, timed, queue = [], set(), [at(3, 10)] * 2
+        monkeypatch.setattr(measure.Cells, "pin", lambda self, mode, p: (queue.pop(0), None))
+        measure.Cells(LLM(driver), out_len=4, seed=0, ignore_eos=True,
+                      progress=False).probe("sd", point, [[1]], [None])
+        assert timed == {driver == "single"}
     for choices, probed in (
             ([at(3, 10), at(3, 10)], [(3, 10)]),  # the choice held: one probe
             ([at(4, 8), at(3, 10), at(3, 10)], [(4, 8), (3, 10)]),
             ([at(4, 8), at(3, 10), at(4, 8), at(3, 10)], [(4, 8), (3, 10), (4, 8)])):
         calls, queue = [], list(choices)
         monkeypatch.setattr(measure.Cells, "pin", lambda self, mode, p: (queue.pop(0), None))
-        cells = measure.Cells(LLM(), out_len=4, seed=0, ignore_eos=True, progress=False)
+        cells = measure.Cells(LLM("processes"), out_len=4, seed=0, ignore_eos=True,
+                              progress=False)
         cells.probe("ssd", point, [[1], [2]], [None, None])
         want = [("timings", "ssd", 1, False)]  # once: every probe's answers teach them
         want += [x for km in probed for x in ("forget", (*km, 1), (*km, 1))]
         assert calls == want and len(probed) <= measure.PROBES
 
 
-def test_ar_step_costs_are_measured_before_the_warm_up_that_teaches_them(monkeypatch):
+@pytest.mark.parametrize("driver", ["processes", "single"])
+def test_ar_step_costs_are_measured_before_the_warm_up_that_teaches_them(driver):
     """An AR cell measures the target's step costs (where none are stored) and restarts
     their multiples before its warm-up answer, so that answer teaches their decode-time
     multiple before the cell's prediction; measured after it, the prediction was start-up
-    timing alone."""
+    timing alone. The warm-up is a whole answer in one process too (LLM.warmup's first
+    chunk teaches nothing)."""
     from bench import measure
     point = measure.Point(k=None, budget=None, fanout=None, c=None, backup=None,
                           temperature=0.0, top_p=1.0, batch=1)
@@ -270,13 +302,16 @@ def test_ar_step_costs_are_measured_before_the_warm_up_that_teaches_them(monkeyp
         core = Core()
 
         def driver(self, mode):
-            return "processes"
+            return driver
 
         def shapes(self, ids, params, **kw):
             return len(ids)
 
         def generate(self, ids, params, mode, chat, spec):
             calls.append(("answer", mode, len(ids)))
+
+        def warmup(self, ids, params, mode, chat, spec):
+            calls.append(("first chunk", mode, len(ids)))
 
     cells = measure.Cells(LLM(), out_len=4, seed=0, ignore_eos=True, progress=False)
     pending = cells.prepare("ar", "code", point, [[1], [2]])
