@@ -40,6 +40,11 @@ class Point:
             return dataclasses.replace(self, budget=None, fanout=None, c=None, backup=None)
         return self
 
+    def rows(self) -> int:
+        """The padded batch its calls run at (the engine's batch bucket, a power of two):
+        the key of their step costs."""
+        return 1 << (self.batch - 1).bit_length()
+
     def spec(self):
         from ssd_jax.config import SpecConfig
         kw = {f: getattr(self, f) for f in ("k", "budget", "fanout", "c", "backup")
@@ -158,8 +163,8 @@ class Cells:
             p = chosen["predicted"]
             return max(p[mode], p["ar"]) if point.ar_fallback else p[mode]
         if mode == "ar":
-            return self.llm.core.ar_prediction(1 << (point.batch - 1).bit_length(),
-                                               measure=True, sampled=point.temperature > 0)
+            return self.llm.core.ar_prediction(point.rows(), measure=True,
+                                               sampled=point.temperature > 0)
         if point.temperature > 0:
             return None
         return (self.llm.settings(mode, rows=point.batch, spec=point.spec(),
@@ -190,8 +195,7 @@ class Cells:
         probe, _ = self.pin(mode, point)
         # The step costs' multiples are this hour's too: the probe's answers alone set them
         # (Engine.forget_timings), so the cell's prediction is not half an older hour's.
-        self.llm.core.forget_timings(mode, 1 << (point.batch - 1).bit_length(),
-                                     sampled=point.temperature > 0)
+        self.llm.core.forget_timings(mode, point.rows(), sampled=point.temperature > 0)
         for _ in range(PROBES):
             self.llm.core.forget_acceptance()
             # Probes speculate, also where the choice falls back: they teach the acceptance
@@ -212,7 +216,7 @@ class Cells:
         Measured after it, where the prediction needed them, they left that answer nothing to
         compare with, and AR was predicted from start-up timings alone: +12-15% on session
         48's host (decode steps 254 ms a token, 222 at start-up)."""
-        rows, sampled = 1 << (point.batch - 1).bit_length(), point.temperature > 0
+        rows, sampled = point.rows(), point.temperature > 0
         self.llm.core.ar_prediction(rows, measure=True, sampled=sampled)
         self.llm.core.forget_timings("ar", rows, sampled=sampled)
 
