@@ -44,8 +44,8 @@ bench: $(STAMP)
 
 # The real pair's two runs, as issue 19 asks for them; the first rewrites README.md's
 # "Benchmark results" section between its markers. On the 2-core Intel host, idle, the second
-# took 94 min (session 47); the first ~2 h there (from its cells' times in earlier runs), and
-# 92 min on the 2-core AMD host (session 48). The all-cores and transformers cells (reference
+# took 94 min (session 47); the first ~3 h there (its code suite alone took 70 min in session
+# 49), and 92 min on the 2-core AMD host (session 48). The all-cores and transformers cells (reference
 # points for a CPU user choosing a mode) run on the code suite only: on all four suites they
 # would add ~80 minutes (from their cell times in earlier runs), putting the two runs past a
 # working session. The draft keeps its whole LM head in bf16: with the 32768-token short list
