@@ -63,10 +63,9 @@ class TorchPeers:
 
     def _generate(self, ids, n, point: Point, ignore_eos: bool, assisted: bool):
         import torch
-        eos = self.target.generation_config.eos_token_id
-        eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+        stop = self._stop_ids()
         kw = dict(max_new_tokens=n, do_sample=point.temperature > 0,
-                  pad_token_id=0 if eos is None else eos)
+                  pad_token_id=stop[0] if stop else 0)
         if point.temperature > 0:
             kw.update(temperature=point.temperature, top_p=point.top_p, top_k=0)
         if ignore_eos:

@@ -52,10 +52,10 @@ _compile_cache()
 
 def _quick_compiles() -> None:
     """LLVM's optimisation level 0 for the programs the tests compile (this process and the
-    worker and server processes it starts: they inherit XLA_FLAGS; the notebook test clears
-    it). Much of the suite's time is XLA compiling programs for tiny models that then run for
-    milliseconds: one SSD test (test_truncated_vocab_draft_is_lossless) compiled for 24 s of
-    its 39 at the default level, 15 of 28 at level 0. The matrix products (Eigen's, ssd-jax's
+    worker and server processes it starts inherit XLA_FLAGS; the notebook kernels get this
+    flag alone). Much of the suite's time is XLA compiling programs for tiny models that then
+    run for milliseconds: one SSD test (test_truncated_vocab_draft_is_lossless) compiled for
+    24 s of its 39 at the default level, 15 of 28 at level 0. The matrix products (Eigen's, ssd-jax's
     CPU kernel) are built beforehand and do not change. A level the caller set is kept; the
     product compiles at XLA's default (level 3)."""
     flags = os.environ.get("XLA_FLAGS", "")

@@ -242,7 +242,39 @@ def test_the_other_forms_pass_the_product_tests(flag, needs, tmp_path):
 # ---------------------------------------------------------------- SD/SSD with a bf16 draft
 
 @needs_kernel
-@pytest.mark.parametrize("driver", ["single", pytest.param("processes", marks=pytest.mark.slow)])
+def test_greedy_with_a_bf16_draft_equals_the_targets_greedy(vocab6):  # noqa: F811
+    """The bf16 draft (EngineConfig.draft_precision) is another draft: greedy SD and SSD
+    give transformers' greedy tokens for the fp32 target (rows of different prompt lengths in
+    one batch; the draft's proposals are bf16-rounded, so they are rejected more often, never
+    kept wrongly). The SmolLM2 pair's run of this check is in `make test-slow`."""
+    import torch
+    from ssd_jax import LLM, EngineConfig, SamplingParams
+    from ssd_jax.config import SpecConfig
+    target, draft, hf_target = vocab6
+    draft = nnx.clone(draft)  # packed in place: the module's other tests keep theirs
+    prompts, n = [[1, 2, 3], [4, 0, 5, 2, 2, 1, 3]], 24
+    want = []
+    for p in prompts:  # transformers' forward, argmax by argmax (EOS is a token like any)
+        seq = list(p)
+        with torch.no_grad():
+            for _ in range(n):
+                seq.append(int(hf_target(torch.tensor([seq])).logits[0, -1].argmax()))
+        want.append(seq[len(p):])
+    llm = LLM(target, draft=draft, spec=SpecConfig(k=3, budget=6),
+              engine=EngineConfig(max_batch=2, max_seq_len=64, prefill_bucket=8,
+                                  draft_precision="bf16"))
+    for mode in ("sd", "ssd"):
+        out = llm.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True),
+                           mode=mode, chat=False)
+        assert [o.token_ids for o in out] == want, mode
+        # The draft is both right and wrong: a rule that kept its tokens unchecked would fail.
+        assert 0.0 < out[0].metrics.acceptance < 1.0, out[0].metrics.acceptance
+    assert packed_precision(draft) == "bf16"
+
+
+@needs_kernel
+@pytest.mark.slow  # 2 min (the SmolLM2 pair compiled twice); the tiny pair's check runs above
+@pytest.mark.parametrize("driver", ["single", "processes"])
 def test_greedy_with_a_bf16_draft_equals_ar(driver):
     """The bf16 draft (EngineConfig.draft_precision) is another draft: greedy SD and SSD still
     give AR's tokens (AR with the fp32 target, in a separate LLM: nothing shared)."""

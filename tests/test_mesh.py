@@ -19,7 +19,8 @@ SCRIPT = textwrap.dedent('''
     ref = LLM(target, draft=draft, spec=SpecConfig(k=3, budget=8), engine=EngineConfig(**base))
     want = [o.token_ids for o in ref.generate(prompts, p, mode="ar")]
     out = {}
-    for split in [(2, 2), (1, 3), (2, 1)]:
+    # (2, 2) is left to the 8-device test's (4, 4) and (2, 6): a target and a draft both split.
+    for split in [(1, 3), (2, 1)]:
         llm = LLM(target, draft=draft, spec=SpecConfig(k=3, budget=8),
                   engine=EngineConfig(**base, mesh=split))
         for mode in ("ar", "sd", "ssd"):
