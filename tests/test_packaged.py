@@ -166,20 +166,24 @@ def test_caller_holds_no_weights_with_worker_processes():
     p, prompt = SamplingParams(max_new_tokens=12, ignore_eos=True), [[1, 2, 3, 4]]
     with LLM("smollm2", draft="smollm2-draft") as llm:  # driver auto: SSD in workers on CPU
         assert llm.driver("ssd") == "processes" and llm.driver("ar") == "single"
+        core = llm.core
+        store = autotune.TuneStore(autotune.store_path(None))
+        # Step costs set here, scoring cost in proportion to tokens: measured ones put
+        # SmolLM2's 5-token verification barely above its 1-token step, so a loaded machine's
+        # timings (or a learnt multiple) could put SSD ahead of AR at a = 0.02 below (a flaky
+        # failure under load). This test is about where runs happen. Set before the first
+        # run, they spare it the start-up measurement (test_autotune's); set again after it,
+        # they drop the multiples it learnt.
+        key, by_tokens = core._cost_key("ssd", 1)[0], autotune.StepCosts(
+            {t: 0.01 * t for t in autotune.TARGET_TOKENS},
+            {t: 0.002 * t for t in autotune.DRAFT_TOKENS})
+        store.save_costs(key, by_tokens, note="test: cost ~ tokens")
         out = llm.generate(prompt, p, mode="ssd")
         assert len(out[0].token_ids) == 12 and out[0].metrics.mode == "ssd"
-        core = llm.core
         assert core._model is None and core._draft_model is None and not core._runners
+        store.save_costs(key, by_tokens, note="test: cost ~ tokens")
         core.forget_acceptance()  # a workload this pair cannot speculate on
-        store = autotune.TuneStore(autotune.store_path(None))
         store.observe(core._pair, 0.02, rounds=autotune.ACCEPT_WINDOW)
-        # Step costs set here, scoring cost in proportion to tokens: the ones the first run
-        # measured put SmolLM2's 5-token verification barely above its 1-token step, so a
-        # loaded machine's timings (or a learnt multiple) could put SSD ahead of AR at a = 0.02
-        # (a flaky failure under load). This test is about where the fallback runs.
-        store.save_costs(core._cost_key("ssd", 1)[0], autotune.StepCosts(
-            {t: 0.01 * t for t in autotune.TARGET_TOKENS},
-            {t: 0.002 * t for t in autotune.DRAFT_TOKENS}), note="test: cost ~ tokens")
         # Given settings far from paying at a = 0.02 (five tokens verified a round for ~one):
         # the automatic choice (K=1, a fast backup) sat within 10% of AR here.
         slow = SpecConfig(k=4, budget=8, fanout="geometric", backup="neural", ar_fallback=True)
