@@ -149,9 +149,34 @@ def machine() -> dict:
     n = collections.Counter(f"{d.platform}:{d.device_kind}" for d in jax.devices())
     devices = ", ".join(f"{c}x {k}" for k, c in n.items())
     return dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
-                cpu_count=os.cpu_count(), usable_cores=len(os.sched_getaffinity(0)),
+                cpu_model=_cpu_model(), cpu_count=os.cpu_count(),
+                usable_cores=len(os.sched_getaffinity(0)),
                 devices=devices, versions=versions, xla_flags=os.environ.get("XLA_FLAGS", ""),
-                date=time.strftime("%Y-%m-%d %H:%M"))
+                date=time.strftime("%Y-%m-%d %H:%M"), commit=_commit())
+
+
+def _commit() -> str | None:
+    """The checkout's git commit (None outside one): runs merged into one report may have
+    been made at different commits, and their results say which."""
+    import subprocess
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10, cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+def _cpu_model() -> str | None:
+    """The CPU's model name: two VMs of one size on different hosts ran the real pair at
+    speeds 2x apart here (an Intel Xeon's and an AMD EPYC's), which `processor` (x86_64)
+    does not tell apart."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else (platform.processor() or None)
 
 
 def run(args, argv) -> dict:
@@ -360,22 +385,17 @@ def run_peers(args, base: Point, suites, ids, with_draft: bool, threads: int,
 
 
 def report(results: dict, args) -> None:
-    from bench.results import detail_table, section, summary_table, update_readme
-    def save() -> None:
+    from bench.results import detail_table, save_dir, section, summary_table, update_readme
+
+    def save_json() -> None:
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(results, indent=1))
-        if args.out:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / "bench.json").write_text(json.dumps(results, indent=1))
 
-    save()  # the measurements first: nothing that may fail on them (plots, tables) loses them
+    save_json()  # the measurements first: nothing that may fail on them (plots) loses them
     if args.out:
-        out = Path(args.out)
-        from bench.plots import make_plots
-        results["plots"] = make_plots(results, out)
-        save()
-        (out / "results.md").write_text(section(results, "."))
+        save_dir(results, Path(args.out))
+        save_json()  # with the plots' names
     if args.readme:
         plot_dir = (os.path.relpath(Path(args.out).resolve(), Path(args.readme).resolve().parent)
                     if args.out else None)

@@ -1,10 +1,11 @@
 """Results of a bench run: derived numbers (speedups, equality with AR, the speed model's
 prediction), markdown tables, and the README section regenerated from a results JSON.
 
-    ssd-bench report results/bench.json [--readme README.md]
+    ssd-bench report results/bench.json [...] [--out DIR] [--readme README.md]
 
-prints the section, or replaces the part of README.md between the markers below (appending
-it when the markers are absent). Every number comes from the JSON, i.e. from a run.
+prints the section (several runs' results merged as one: bench/merge.py), or replaces the
+part of README.md between the markers below (appending it when the markers are absent); --out
+writes the JSON, plots and results.md. Every number comes from the JSON, i.e. from a run.
 """
 from __future__ import annotations
 
@@ -186,7 +187,8 @@ def machine_line(results: dict) -> str:
     vers = ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v)
     split = cfg["device_split"]
     split = f"target {split[0]} / draft {split[1]} devices" if split else "default placement"
-    return (f"{m['platform']} ({m['processor']}), {m['cpu_count']} CPU cores "
+    cpu = m.get("cpu_model") or m["processor"]  # results before session 50 lack the model
+    return (f"{m['platform']} ({cpu}), {m['cpu_count']} CPU cores "
             f"({m['usable_cores']} usable), JAX devices: {m['devices']}; driver "
             f"{cfg['driver']}, {split}; {vers}; XLA_FLAGS {m.get('xla_flags') or '(none)'}; "
             f"{m['date']}.")
@@ -227,6 +229,17 @@ def section(results: dict, plot_dir: str | None = None) -> str:
     return "\n".join(out) + "\n"
 
 
+def save_dir(results: dict, out: Path) -> None:
+    """bench.json, the plots and results.md in `out`; the JSON first, so that nothing that may
+    fail on it (the plots) loses the measurements."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(results, indent=1))
+    from bench.plots import make_plots
+    results["plots"] = make_plots(results, out)
+    (out / "bench.json").write_text(json.dumps(results, indent=1))
+    (out / "results.md").write_text(section(results, "."))
+
+
 def update_readme(readme: Path, text: str) -> None:
     old = readme.read_text() if readme.exists() else ""
     if BEGIN in old and END in old:
@@ -239,25 +252,47 @@ def update_readme(readme: Path, text: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="ssd-bench report", description=__doc__.split("\n")[0])
-    ap.add_argument("json", help="a results JSON written by ssd-bench --json / --out")
+    ap.add_argument("json", nargs="+",
+                    help="a results JSON written by ssd-bench --json / --out; several: runs of "
+                         "one command on different suites, reported as one (bench/merge.py)")
+    ap.add_argument("--out", default=None,
+                    help="write bench.json, the plots and results.md here")
     ap.add_argument("--readme", default=None, help="replace this file's results section")
     args = ap.parse_args(argv)
-    path = Path(args.json)
-    if not path.exists():
-        print(f"ssd-bench report: error: {path} does not exist: run ssd-bench with --json or "
-              "--out first", file=sys.stderr)
-        return 2
-    try:
-        results = json.loads(path.read_text())
-        if not (isinstance(results, dict) and {"config", "cells"} <= set(results)):
-            raise ValueError("no 'config' and 'cells'")
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-        print(f"ssd-bench report: error: {path} is not ssd-bench results ({str(e)[:80]}): "
-              "give the bench.json that ssd-bench --json / --out wrote", file=sys.stderr)
+    parts = []
+    for name in args.json:
+        path = Path(name)
+        if not path.exists():
+            print(f"ssd-bench report: error: {path} does not exist: run ssd-bench with --json "
+                  "or --out first", file=sys.stderr)
+            return 2
+        try:
+            results = json.loads(path.read_text())
+            if not (isinstance(results, dict) and {"config", "cells"} <= set(results)):
+                raise ValueError("no 'config' and 'cells'")
+        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+            print(f"ssd-bench report: error: {path} is not ssd-bench results ({str(e)[:80]}): "
+                  "give the bench.json that ssd-bench --json / --out wrote", file=sys.stderr)
+            return 2
+        parts.append((str(path), results))
+    results, home = parts[0][1], Path(args.json[0]).parent
+    if len(parts) > 1:
+        from bench.merge import MergeError, merge
+        try:
+            results = merge(parts)
+        except MergeError as e:
+            print(f"ssd-bench report: error: {e}", file=sys.stderr)
+            return 2
+    if args.out:
+        save_dir(results, Path(args.out))
+        home = Path(args.out)
+    elif len(parts) > 1 and args.readme:
+        print("ssd-bench report: error: merged results need --out for their plots and JSON",
+              file=sys.stderr)
         return 2
     if args.readme:
         readme = Path(args.readme)
-        plot_dir = os.path.relpath(path.parent.resolve(), readme.resolve().parent)
+        plot_dir = os.path.relpath(home.resolve(), readme.resolve().parent)
         update_readme(readme, section(results, plot_dir))
         print(f"updated {readme}")
     else:

@@ -93,6 +93,44 @@ def test_plots_and_readme_section(run, tmp_path):
     assert f"{ar['decode_tok_s']:.1f}" in text and "transformers assisted" in text
 
 
+def test_runs_on_different_suites_report_as_one(run, tmp_path, capsys):
+    """`ssd-bench report a.json b.json --out DIR`: two runs of one command on other suites
+    (here the chat run and a copy relabelled code) are one set of results, AR references and
+    tables per suite; runs that could not have been one run are refused in one line."""
+    import copy
+    res, _ = run
+    assert res["machine"]["cpu_model"]
+    other = copy.deepcopy(res)
+    other["config"]["suites"], other["machine"]["date"] = ["code"], "2999-01-01 00:00"
+    other["machine"]["commit"] = "abc1234"
+    for c in other["cells"]:
+        c["suite"] = "code"
+    a, b, out, readme = (tmp_path / n for n in ("a.json", "b.json", "ab", "README.md"))
+    a.write_text(json.dumps(res))
+    b.write_text(json.dumps(other))
+    assert main(["report", str(a), str(b), "--out", str(out), "--readme", str(readme)]) == 0
+    merged = json.loads((out / "bench.json").read_text())
+    assert merged["config"]["suites"] == ["chat", "code"]
+    assert len(merged["cells"]) == 2 * len(res["cells"])
+    assert all(c["matches_ar"] in (None, [2, 2]) for c in merged["cells"])
+    assert merged["machine"]["date"].endswith("to 2999-01-01 00:00")
+    assert merged["notes"][0].startswith("Merged from 2 runs")
+    assert "code at abc1234" in merged["notes"][1]  # the runs' commits, where they differ
+    assert "tok_s_by_suite.png" in merged["plots"] and (out / "results.md").exists()
+    text = readme.read_text()
+    assert "| chat |" in text and "| code |" in text
+    for change, needle in (
+            (lambda r: r["machine"].update(cpu_model="Another CPU"), "ran on another machine"),
+            (lambda r: r["config"].update(output_len=32), "ran with other settings"),
+            (lambda r: r["config"].update(suites=["chat"]), "suite chat is in both")):
+        bad = copy.deepcopy(other)
+        change(bad)
+        b.write_text(json.dumps(bad))
+        assert main(["report", str(a), str(b)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and needle in err, err
+
+
 def test_automatic_k_with_a_grid_sweep_beside_it(pair, tmp_path, monkeypatch):
     """--k auto: SD and SSD cells carry the engine's choice (K, M, its prediction) and make the
     summary; the K x M grid's cells sit beside them; greedy outputs stay the target's. Timed
