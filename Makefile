@@ -50,10 +50,10 @@ bench: $(STAMP)
 # reports each set as one (bench/merge.py: same machine type and settings, or it refuses) and
 # rewrites README.md's "Benchmark results" section between its markers. Times on the 2-core
 # Intel host, idle: code with the add-ons 61-70 min, a suite without them 23-45 min, T = 0.7
-# 40-47 min a suite (sessions 47, 49-51): ~4.5 h in all; roughly half that on the 2-core AMD host. The draft
-# keeps its whole LM head in bf16: with the 32768-token short list (--draft-vocab), a third of
-# the positions where the draft guessed wrong on code held a target token outside the list,
-# each a certain rejection and SSD cache miss (session 44).
+# 40-47 min a suite (sessions 47, 49-51): ~4.5 h in all; roughly half that on the 2-core AMD
+# host. The draft keeps its whole LM head in bf16: with the 32768-token short list
+# (--draft-vocab), a third of the positions where the draft guessed wrong on code held a target
+# token outside the list, each a certain rejection and SSD cache miss (session 44).
 BENCH_REAL := results/bench_real
 REAL_FLAGS := --pair qwen2.5-coder --mode all --num-prompts 8 --output-len 96 --k auto \
 	--draft-precision bf16 --interleave

@@ -56,8 +56,8 @@ def _quick_compiles() -> None:
     flag alone). Much of the suite's time is XLA compiling programs for tiny models that then
     run for milliseconds: one SSD test (test_truncated_vocab_draft_is_lossless) compiled for
     24 s of its 39 at the default level, 15 of 28 at level 0. The matrix products (Eigen's,
-    ssd-jax's CPU kernel) are built beforehand and do not change. A level the caller set is kept; the
-    product compiles at XLA's default (level 3)."""
+    ssd-jax's CPU kernel) are built beforehand and do not change. A level the caller set is
+    kept; the product compiles at XLA's default (level 3)."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_backend_optimization_level" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()

@@ -172,8 +172,8 @@ def test_ar_fallback_cells_decode_with_ar_where_predicted_faster(pair, tmp_path,
     # Step costs as this pair's would be on an idle machine (a draft step costs a target
     # step; scoring costs grow with the tokens scored), for every entry the run reads: timed
     # at start-up under a loaded test run they once put SD above AR.
-    same = {t: 0.01 * t for t in set(autotune.TARGET_TOKENS) | set(autotune.DRAFT_TOKENS)}
-    fixed = autotune.StepCosts(dict(same), dict(same))
+    fixed = autotune.StepCosts({t: 0.01 * t for t in autotune.TARGET_TOKENS},
+                               {t: 0.01 * t for t in autotune.DRAFT_TOKENS})
     monkeypatch.setattr(autotune.TuneStore, "costs", lambda self, key: fixed)
     argv = ["--mode", "all", "--target", pair[0], "--draft", pair[1], "--suite", "code",
             "--num-prompts", "2", "--output-len", "12", "--k", "auto", "--ar-fallback",
