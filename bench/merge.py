@@ -10,7 +10,7 @@ and the merged results say so.
 """
 from __future__ import annotations
 
-from bench.results import annotate
+from bench.results import LABELS, annotate
 
 # The machine as results record it (bench.cli.machine), less what differs between two
 # VMs of one type (the kernel build in `platform`) or two runs (the date).
@@ -71,10 +71,16 @@ def merge(parts: list[tuple[str, dict]]) -> dict:
         notes += [n for n in r.get("notes", []) if n not in notes]
     cells = [c for _, r in parts for c in r["cells"]]
     suites = list(seen)
+    # Modes that ran on some suites only (the add-on cells: --all-cores, --peers), one note
+    # per group of suites, e.g. "ssd_jax AR, all cores; transformers AR ran on code only."
+    partial: dict[tuple[str, ...], list[str]] = {}
     for mode in dict.fromkeys(c["mode"] for c in cells):
-        where = [s for s in suites if any(c["mode"] == mode and c["suite"] == s for c in cells)]
-        if where != suites:
-            notes.append(f"{mode} ran on {', '.join(where)} only.")
+        where = tuple(s for s in suites
+                      if any(c["mode"] == mode and c["suite"] == s for c in cells))
+        if list(where) != suites:
+            partial.setdefault(where, []).append(LABELS.get(mode, mode))
+    notes += [f"{'; '.join(labels)} ran on {', '.join(where)} only."
+              for where, labels in partial.items()]
     threads = next((r["config"].get("torch_threads") for _, r in parts
                     if r["config"].get("torch_threads") is not None), None)
     merged = dict(first, command="; ".join(r["command"] for _, r in parts),

@@ -103,19 +103,21 @@ def test_runs_on_different_suites_report_as_one(run, tmp_path, capsys):
     other = copy.deepcopy(res)
     other["config"]["suites"], other["machine"]["date"] = ["code"], "2999-01-01 00:00"
     other["machine"]["commit"] = "abc1234"
-    for c in other["cells"]:
-        c["suite"] = "code"
+    # the peers ran with the chat run only (as the add-on cells ran on code only in bench-real)
+    other["cells"] = [dict(c, suite="code") for c in other["cells"]
+                      if not c["mode"].startswith("hf-")]
     a, b, out, readme = (tmp_path / n for n in ("a.json", "b.json", "ab", "README.md"))
     a.write_text(json.dumps(res))
     b.write_text(json.dumps(other))
     assert main(["report", str(a), str(b), "--out", str(out), "--readme", str(readme)]) == 0
     merged = json.loads((out / "bench.json").read_text())
     assert merged["config"]["suites"] == ["chat", "code"]
-    assert len(merged["cells"]) == 2 * len(res["cells"])
+    assert len(merged["cells"]) == len(res["cells"]) + len(other["cells"])
     assert all(c["matches_ar"] in (None, [2, 2]) for c in merged["cells"])
     assert merged["machine"]["date"].endswith("to 2999-01-01 00:00")
     assert merged["notes"][0].startswith("Merged from 2 runs")
     assert "code at abc1234" in merged["notes"][1]  # the runs' commits, where they differ
+    assert "transformers AR; transformers assisted ran on chat only." in merged["notes"]
     assert "tok_s_by_suite.png" in merged["plots"] and (out / "results.md").exists()
     text = readme.read_text()
     assert "| chat |" in text and "| code |" in text
