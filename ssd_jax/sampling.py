@@ -1,5 +1,5 @@
-"""Token distributions and sampling: temperature / min-p / top-k / top-p, Gumbel-max, Saguaro
-rescaling.
+"""Token distributions and sampling: temperature / min-p / top-k / top-p, two-stage Gumbel-max,
+Saguaro rescaling.
 
 `process_probs` is *the* definition of a row's distribution. The AR engine samples from it, the
 draft samples speculated tokens from it (optionally Saguaro-rescaled), and verification compares
@@ -118,9 +118,13 @@ def process_probs(
     p = jax.nn.softmax(logits / _per_row(safe_t, nd), axis=-1)
     if min_p is not None:
         # Only zeroes: the renormalisations below (top-k's, and the last) restore the mass,
-        # and rows with min_p = 0 keep every token (p >= 0), bit for bit.
-        floor = _per_row(jnp.asarray(min_p, jnp.float32), nd) * p.max(-1, keepdims=True)
-        p = jnp.where(p >= floor, p, 0.0)
+        # and rows with min_p = 0 keep every token (p >= 0), bit for bit. Skipped (two passes
+        # over the vocabulary) when no row sets it.
+        min_p = jnp.asarray(min_p, jnp.float32)
+
+        def floor(p):
+            return jnp.where(p >= _per_row(min_p, nd) * p.max(-1, keepdims=True), p, 0.0)
+        p = jax.lax.cond(jnp.any(min_p > 0), floor, lambda p: p, p)
 
     top_k = jnp.broadcast_to(_per_row(jnp.asarray(top_k, jnp.int32), nd - 1), logits.shape[:-1])
     top_p = jnp.broadcast_to(_per_row(jnp.asarray(top_p, jnp.float32), nd - 1), logits.shape[:-1])
@@ -130,19 +134,52 @@ def process_probs(
     p = jax.lax.cond(any_truncation, _truncate, lambda p, *_: p, p, top_k, top_p)
     p = p / p.sum(-1, keepdims=True)
 
-    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
-    return jnp.where(greedy, one_hot, p)
+    # Greedy rows' one-hot needs an argmax over the vocabulary (4 ms for 7 rows of 152k on
+    # the dev VM): only when some row is greedy.
+    def one_hot(p):
+        hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+        return jnp.where(greedy, hot, p)
+    return jax.lax.cond(jnp.any(temperature == 0), one_hot, lambda p: p, p)
+
+
+def _block_width(v: int) -> int:
+    """Tokens per block of the two-stage sampler: the power of two at or above sqrt(V), so
+    both stages draw about sqrt(V) variates (512 for a 152k vocabulary, 297 blocks)."""
+    return 1 << max(0, (v - 1).bit_length() + 1) // 2
 
 
 def sample(probs: Float[Array, "B V"], keys: Key[Array, " B"]) -> Int[Array, " B"]:
-    """One token per row by Gumbel-max: argmax(log p + Gumbel) is an exact sample of p.
+    """One token per row, exactly from p, by Gumbel-max in two stages: a block of consecutive
+    tokens with probability its mass, then a token of that block with probability its share
+    of it (the product is p_i / sum p). argmax(log w + Gumbel) is an exact sample of w.
+
+    Gumbel-max over the whole vocabulary drew V variates and took three logs of each: 37 ms
+    per draft step for 7 rows of a 152k vocabulary on one core of the dev VM, more than the
+    rest of the step's sampling; two stages draw ~2 sqrt(V) (under 1 ms). Unlike a CDF
+    search, each stage's error is relative to the weights it compares (no cumulative sum),
+    so tiny probabilities keep their relative accuracy.
 
     `probs` need not be normalised (the argmax is invariant to scaling), which lets verification
-    pass the residual max(0, p - q) as is. Zero-probability tokens score -inf and can never win.
+    pass the residual max(0, p - q) as is. Zero-probability tokens (and blocks) score -inf and
+    can never win.
     """
-    g = jax.vmap(lambda k: jax.random.gumbel(k, probs.shape[-1:], jnp.float32))(keys)
-    logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
-    return jnp.argmax(logp + g, axis=-1).astype(jnp.int32)
+    B, V = probs.shape
+    width = _block_width(V)
+    n = -(-V // width)
+    p = jnp.pad(probs.astype(jnp.float32), ((0, 0), (0, n * width - V))).reshape(B, n, width)
+    mass = p.sum(-1)  # [B, n]
+
+    def gumbel_max(key, w):
+        g = jax.random.gumbel(key, w.shape, jnp.float32)
+        logw = jnp.where(w > 0, jnp.log(jnp.where(w > 0, w, 1.0)), -jnp.inf)
+        return jnp.argmax(logw + g)
+
+    def one(key, blocks, m):
+        k_block, k_token = jax.random.split(key)
+        b = gumbel_max(k_block, m)
+        return b * width + gumbel_max(k_token, blocks[b])
+
+    return jax.vmap(one)(keys, p, mass).astype(jnp.int32)
 
 
 def next_token(
@@ -185,6 +222,8 @@ def saguaro_rescale(
     """
     q = q.astype(jnp.float32)
     V = q.shape[-1]
+    if isinstance(c, (int, float)) and c == 1:  # a static C = 1 (SSD's cfg.c): no top-k pass
+        return q
     if isinstance(num_top, int):
         num_top = min(num_top, V)
         if num_top <= 0:

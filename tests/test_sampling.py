@@ -139,6 +139,23 @@ def test_sample_frequencies_match_probs():
     np.testing.assert_array_equal(draws, again)
 
 
+def test_sample_over_blocks_matches_probs():
+    """A vocabulary of many blocks (the sampler draws a block by its mass, then a token in it):
+    mass spread over blocks of very different weight, whole blocks at zero, a token alone in
+    the padded last block; the frequencies match p (chi-square), zeros are never drawn."""
+    V = 1000  # blocks of 32: 31 full ones and a last one of 8 tokens, padded
+    assert sampling._block_width(V) == 32
+    probs = np.zeros(V, np.float32)
+    probs[[0, 1, 33, 500, 531, 999]] = [0.3, 0.05, 0.2, 0.1, 0.25, 0.1]
+    n = 100_000
+    keys = jax.random.split(jax.random.key(3), n)
+    draws = np.asarray(jax.jit(sampling.sample)(jnp.broadcast_to(probs, (n, V)), keys))
+    counts = np.bincount(draws, minlength=V)
+    assert counts[probs == 0].sum() == 0
+    live = probs > 0
+    assert chi2_pvalue(counts[live], probs[live]) > P_MIN
+
+
 def test_sample_never_picks_zero_probability():
     n, V = 4096, 8
     keys = jax.random.split(jax.random.key(1), n)
