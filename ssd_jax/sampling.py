@@ -22,6 +22,15 @@ from jaxtyping import Array, Bool, Float, Int, Key
 TOP_P_SLACK = 1e-6
 
 
+def top1(x: Float[Array, "*S V"]) -> Int[Array, "*S"]:
+    """argmax over the last axis (ties -> lowest index), int32. On a CPU it is lax.top_k(x, 1):
+    XLA:CPU's argmax, a two-operand reduction, took 2.5x the top-k custom call's time over a
+    152k vocabulary (3.5 against 1.4 ms for 6 rows on one vCPU); other platforms keep argmax."""
+    return jax.lax.platform_dependent(
+        x, cpu=lambda x: jax.lax.top_k(x, 1)[1][..., 0].astype(jnp.int32),
+        default=lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32))
+
+
 def _per_row(x: Array, ndim: int) -> Array:
     """[B] -> [B, 1, ..., 1] so per-row settings broadcast over middle axes and the vocab."""
     x = jnp.asarray(x)
@@ -134,10 +143,10 @@ def process_probs(
     p = jax.lax.cond(any_truncation, _truncate, lambda p, *_: p, p, top_k, top_p)
     p = p / p.sum(-1, keepdims=True)
 
-    # Greedy rows' one-hot needs an argmax over the vocabulary (4 ms for 7 rows of 152k on
+    # Greedy rows' one-hot needs an argmax over the vocabulary (1.6 ms for 7 rows of 152k on
     # the dev VM): only when some row is greedy.
     def one_hot(p):
-        hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+        hot = jax.nn.one_hot(top1(logits), logits.shape[-1], dtype=jnp.float32)
         return jnp.where(greedy, hot, p)
     return jax.lax.cond(jnp.any(temperature == 0), one_hot, lambda p: p, p)
 
@@ -192,7 +201,7 @@ def next_token(
 ) -> Int[Array, " B"]:
     """The AR step: greedy rows take argmax of the logits, other rows sample from process_probs."""
     temperature = jnp.asarray(temperature)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = top1(logits)
 
     def sampled(_):
         drawn = sample(process_probs(logits, temperature, top_k, top_p, min_p), keys)

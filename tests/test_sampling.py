@@ -258,3 +258,12 @@ def test_add_bias_matches_numpy_and_padding_adds_nothing():
             want[b, :, t] += v
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
     assert np.array_equal(got[1], logits[1])
+
+
+def test_top1_is_the_lowest_index_argmax():
+    """top1 (lax.top_k on a CPU) against numpy's argmax, ties included, over batch axes."""
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 4, size=(3, 5, 40)).astype(np.float32)  # many ties at the top
+    assert (np.asarray(jax.jit(sampling.top1)(jnp.asarray(x))) == x.argmax(-1)).all()
+    y = rng.normal(size=(2, 151936)).astype(np.float32)
+    assert (np.asarray(sampling.top1(jnp.asarray(y))) == y.argmax(-1)).all()

@@ -355,3 +355,39 @@ def test_auto_backup_is_lossless_and_reports_choice(pair):
     out = llm.generate(PROMPTS, p, mode="ssd")
     assert [o.token_ids for o in out] == want
     assert out[0].metrics.ssd.backup in ("neural", "fast")
+
+
+
+def _masked_ranking(g, exclude, f):
+    """Oracle, the definition: `exclude` set to -1e30, then token ids by (logit desc, id asc),
+    the first f."""
+    g = np.where(np.arange(len(g)) == exclude, -1e30, g)
+    return sorted(range(len(g)), key=lambda i: (-g[i], i))[:f]
+
+
+@pytest.mark.parametrize("vocab_size,f", [(40, 4), (6, 6)])  # (6, 6): f + 1 > V, masked form
+def test_fork_candidates_rank_the_rest_without_the_speculated_token(vocab_size, f):
+    """fork_candidates (one top-(f+1), the excluded token dropped) and the greedy tree step's
+    fused form against a sort, with the excluded token at every rank, ties, and a draft
+    vocabulary whose ids name other target ids (its OOV column never proposed)."""
+    from ssd_jax.core.glue import fork_candidates, greedy_with_candidates
+    from ssd_jax.draft_vocab import VocabMap
+    rng = np.random.default_rng(0)
+    g = rng.integers(0, 6, size=(3, vocab_size)).astype(np.float32)  # many ties
+    ids = rng.permutation(100)[:vocab_size - 1]
+    for vocab, names in ((SameVocab(vocab_size), np.arange(vocab_size)),
+                         (VocabMap.from_target_ids(ids, 100), np.append(ids, -1))):
+        proposable = np.asarray(vocab.proposable(jnp.asarray(g)))
+        for rank in range(vocab_size):
+            ex = np.array([sorted(range(vocab_size), key=lambda i: (-row[i], i))[rank]
+                           for row in proposable])
+            if (names[ex] < 0).any():  # the OOV column: no target id names it
+                continue
+            got = fork_candidates(vocab, jnp.asarray(g), jnp.asarray(names[ex]), f)
+            want = [names[_masked_ranking(row, e, f)] for row, e in zip(proposable, ex)]
+            assert (np.asarray(got) == np.array(want)).all(), (rank, got, want)
+        x, cand = greedy_with_candidates(vocab, jnp.asarray(g), f)
+        top = proposable.argmax(-1)
+        assert (np.asarray(x) == names[top]).all()
+        assert (np.asarray(cand) == np.array([names[_masked_ranking(row, t, f)]
+                                               for row, t in zip(proposable, top)])).all()

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ssd_jax.core.backups import NeuralBackup, append_tokens
-from ssd_jax.core.glue import NEG_INF, GluePrefix, fork_candidates, no_prefix, pick
+from ssd_jax.core.glue import (NEG_INF, GluePrefix, fork_candidates, greedy_with_candidates,
+                               no_prefix, pick)
 from ssd_jax.core.graph import Graph
 from ssd_jax.core.rows import Requests, RowState, advance, prompt_seen, start_rows
 from ssd_jax.core.speculation import Outcome, Saguaro, Speculation, propose, steer
@@ -202,10 +203,15 @@ def build_cache(cfg: DraftConfig, params, ds: DraftState, req: Requests
         # A branch forked at j holds answer token generated + 1 + j; step s predicts the
         # token 1 + s after it.
         logits = steered(logits, glue_number[:, :1] + branch_j + 1 + step, branch_counts)
-        x, q = propose(logits, req, pos + 1, vocab, cfg.greedy_only, (fan[:, step], saguaro))
+        if cfg.greedy_only:  # the argmax and the candidates after it: one top-k
+            x, cand_s = greedy_with_candidates(vocab, logits, fmax)
+            q = None
+        else:
+            x, q = propose(logits, req, pos + 1, vocab, False, (fan[:, step], saguaro))
+            cand_s = fork_candidates(vocab, logits, x, fmax)
         toks.append(x)
         qs.append(q)
-        step_cand.append(fork_candidates(vocab, logits, x, fmax))  # [B, M, F]
+        step_cand.append(cand_s)  # [B, M, F]
         extra = jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), extra, kv)
         pos = pos + 1
     q = None if cfg.greedy_only else jnp.stack(qs, axis=2)

@@ -20,7 +20,8 @@ from ssd_jax.core.rows import (DRAFT_STREAM, Requests, RowSampling, RowState, Se
                                row_keys)
 from ssd_jax.models.attention import causal_mask
 from ssd_jax.models.transformer import KVCache, commit
-from ssd_jax.sampling import add_bias, penalize, process_probs, sample, saguaro_rescale
+from ssd_jax.sampling import (add_bias, penalize, process_probs, sample, saguaro_rescale,
+                               top1)
 
 
 class Speculation(NamedTuple):
@@ -57,7 +58,7 @@ def propose(logits: Float[Array, "B N Vd"], req: Requests, positions: Int[Array,
     (per-row fork count, settings) to rescale q with."""
     logits = vocab.proposable(logits)
     if greedy_only:
-        return vocab.target_ids(jnp.argmax(logits, -1).astype(jnp.int32)), None
+        return vocab.target_ids(top1(logits)), None
     B, N, V = logits.shape
     s = req.sampling
     q = process_probs(logits, s.temperature, s.top_k, s.top_p, s.min_p)

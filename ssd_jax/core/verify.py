@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Key
 
-from ssd_jax.sampling import sample
+from ssd_jax.sampling import sample, top1
 
 # Sub-key tags: one stream of K uniforms for acceptance, one key for the emitted token. Fixed tags
 # (not split order) keep a row's result a function of its key alone.
@@ -93,7 +93,7 @@ def verify(
 
     u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, _ACCEPT_STREAM), (K,)))(keys)
     accept_sampled = _accept_prob_exceeds(u, p_tok, q_tok, point_mass[:, None])
-    accept_greedy = draft_tokens == jnp.argmax(target_probs[:, :K], axis=-1)
+    accept_greedy = draft_tokens == top1(target_probs[:, :K])
     n = _accepted_prefix(jnp.where(greedy[:, None], accept_greedy, accept_sampled))
 
     p_k = jnp.take_along_axis(target_probs, n[:, None, None], axis=1)[:, 0]  # [B, V]
@@ -102,7 +102,7 @@ def verify(
     s_k = jnp.take_along_axis(draft_tokens, j[:, None], axis=1)[:, 0]
     w = jnp.where((n == K)[:, None], p_k, _recovery_weights(p_k, q_k, s_k, point_mass))
     emit_keys = jax.vmap(lambda k: jax.random.fold_in(k, _EMIT_STREAM))(keys)
-    t = jnp.where(greedy, jnp.argmax(p_k, axis=-1).astype(jnp.int32), sample(w, emit_keys))
+    t = jnp.where(greedy, top1(p_k), sample(w, emit_keys))
     return n, t
 
 
@@ -112,6 +112,6 @@ def verify_greedy(
 ) -> tuple[Int[Array, " B"], Int[Array, " B"]]:
     """All-greedy fast path on raw logits: no softmax, no randomness; same result as verify()."""
     K = _lookahead(target_logits, draft_tokens)
-    best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K+1]
+    best = top1(target_logits)  # [B, K+1]
     n = _accepted_prefix(draft_tokens == best[:, :K])
     return n, jnp.take_along_axis(best, n[:, None], axis=1)[:, 0]
