@@ -50,7 +50,7 @@ bench: $(STAMP)
 # reports each set as one (bench/merge.py: same machine type and settings, or it refuses) and
 # rewrites README.md's "Benchmark results" section between its markers. Times on the 2-core
 # Intel host, idle: code with the add-ons 61-70 min, a suite without them 23-45 min, T = 0.7
-# 40-48 min a suite (sessions 47, 49-52): ~4.5 h in all; roughly half that on the 2-core AMD
+# 34-48 min a suite (sessions 47, 49-53): ~4.5 h in all; roughly half that on the 2-core AMD
 # host. The draft keeps its whole LM head in bf16: with the 32768-token short list
 # (--draft-vocab), a third of the positions where the draft guessed wrong on code held a target
 # token outside the list, each a certain rejection and SSD cache miss (session 44).
