@@ -9,10 +9,11 @@ from ssd_jax import LLM, EngineConfig, SamplingParams
 from ssd_jax.config import SpecConfig
 from ssd_jax.core.backups import BACKUPS
 from ssd_jax.core.draft import DraftConfig, DraftState, FanLists, build_cache, select
+from ssd_jax.core.glue import fork_candidates, greedy_with_candidates
 from ssd_jax.core.rows import Requests, RowSampling, RowState
 from ssd_jax.core.runner import ModelRunner
 from ssd_jax.core.speculation import Outcome, Speculation, draft_decode
-from ssd_jax.draft_vocab import SameVocab
+from ssd_jax.draft_vocab import SameVocab, VocabMap
 from ssd_jax.loading import load
 from ssd_jax.models import causal_mask, commit
 from tests.conftest import make_vocab6, save_noisy_draft
@@ -357,7 +358,6 @@ def test_auto_backup_is_lossless_and_reports_choice(pair):
     assert out[0].metrics.ssd.backup in ("neural", "fast")
 
 
-
 def _masked_ranking(g, exclude, f):
     """Oracle, the definition: `exclude` set to -1e30, then token ids by (logit desc, id asc),
     the first f."""
@@ -370,8 +370,6 @@ def test_fork_candidates_rank_the_rest_without_the_speculated_token(vocab_size, 
     """fork_candidates (one top-(f+1), the excluded token dropped) and the greedy tree step's
     fused form against a sort, with the excluded token at every rank, ties, and a draft
     vocabulary whose ids name other target ids (its OOV column never proposed)."""
-    from ssd_jax.core.glue import fork_candidates, greedy_with_candidates
-    from ssd_jax.draft_vocab import VocabMap
     rng = np.random.default_rng(0)
     g = rng.integers(0, 6, size=(3, vocab_size)).astype(np.float32)  # many ties
     ids = rng.permutation(100)[:vocab_size - 1]
