@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ssd_jax.core.backups import NeuralBackup, append_tokens
-from ssd_jax.core.glue import (NEG_INF, GluePrefix, fork_candidates, greedy_with_candidates,
+from ssd_jax.core.glue import (GluePrefix, fork_candidates, greedy_with_candidates,
                                no_prefix, pick)
 from ssd_jax.core.graph import Graph
 from ssd_jax.core.rows import Requests, RowState, advance, prompt_seen, start_rows
