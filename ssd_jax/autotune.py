@@ -409,13 +409,16 @@ COSTS_METHOD = "median-of-7"
 
 
 def cache_key(target: str, draft: str, batch: int, dtype: str, split: str) -> str:
-    """Costs are per machine, software and XLA flags (the vector width alone moves a decode
-    step by 16%); the device count is in `split`."""
+    """Costs are per machine (its processor model and instruction sets), software (the CPU
+    kernel's source too: a new kernel moved a 5-token verification by a third) and XLA flags
+    (the vector width alone moves a decode step by 16%); the device count is in `split`."""
     import jax
+    from ssd_jax.compile_cache import cpu_fingerprint
+    from ssd_jax.kernels import cpu
     from ssd_jax.xla_cpu import with_device_count
     flags = with_device_count(os.environ.get("XLA_FLAGS", ""), None)
-    machine = (f"{platform.machine()} {platform.processor()} {os.cpu_count()} {jax.__version__}"
-               f" {flags}")
+    machine = (f"{platform.machine()} {cpu_fingerprint()} {os.cpu_count()} {jax.__version__}"
+               f" {flags} kernel {cpu.build_key()}")
     return hashlib.sha1(f"{machine}|{target}|{draft}|{batch}|{dtype}|{split}|{COSTS_METHOD}"
                         .encode()).hexdigest()[:16]
 

@@ -454,6 +454,27 @@ def test_cached_costs_are_per_xla_flags_but_not_per_device_count(monkeypatch):
     assert key() != wide
 
 
+def test_cached_costs_are_per_cpu_kernel_build_and_processor(monkeypatch, tmp_path):
+    """Costs measured with one build of the CPU kernel (its source, jax, compiler flags) or
+    on one processor model are not another's."""
+    from ssd_jax import compile_cache
+    from ssd_jax.kernels import cpu
+    key = lambda: autotune.cache_key("t", "d", 1, "float32", "processes")
+    before = key()
+    monkeypatch.setenv(cpu.FLAGS_ENV, "-O2")
+    assert key() != before
+    monkeypatch.delenv(cpu.FLAGS_ENV)
+    source, other = cpu.SOURCE, tmp_path / "cpu_matmul.cc"
+    other.write_bytes(source.read_bytes() + b"// another version\n")
+    monkeypatch.setattr(cpu, "SOURCE", other)
+    assert key() != before
+    monkeypatch.setattr(cpu, "SOURCE", source)
+    assert key() == before
+    monkeypatch.setattr(compile_cache, "read_cpuinfo",
+                        lambda: "model name : Another CPU\nflags : fpu sse2\n")
+    assert key() != before
+
+
 def test_ar_fallback_decodes_with_ar_and_probes(tiny_llama, tmp_path, caplog, monkeypatch):
     """SpecConfig(ar_fallback=True): where the model predicts AR faster, runs decode with AR
     (equal to an AR run), say why, and speculate again once enough AR tokens have gone by;

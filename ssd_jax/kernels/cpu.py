@@ -52,13 +52,19 @@ def compiler() -> str | None:
     return named or shutil.which("c++") or shutil.which("g++")
 
 
+def build_key() -> str:
+    """A short name for this source, jax version and compiler flags: a build of the kernel,
+    and the step costs measured with it (autotune's store)."""
+    return hashlib.sha1(SOURCE.read_bytes() + jax.__version__.encode()
+                        + os.environ.get(FLAGS_ENV, "").encode()).hexdigest()[:12]
+
+
 def library_path(cache: Path | None = None) -> Path:
     """Where this source, jax version and CPU's build is kept."""
     from ssd_jax.compile_cache import cpu_fingerprint
     from ssd_jax.loading.packaged import DEFAULT_CACHE
-    key = hashlib.sha1(SOURCE.read_bytes() + jax.__version__.encode()
-                       + os.environ.get(FLAGS_ENV, "").encode()).hexdigest()[:12]
-    return Path(cache or DEFAULT_CACHE) / "kernels" / cpu_fingerprint() / f"cpu_matmul-{key}.so"
+    return (Path(cache or DEFAULT_CACHE) / "kernels" / cpu_fingerprint()
+            / f"cpu_matmul-{build_key()}.so")
 
 
 def build(out: Path) -> Path:
