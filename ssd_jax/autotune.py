@@ -410,7 +410,7 @@ COSTS_METHOD = "median-of-7"
 
 def cache_key(target: str, draft: str, batch: int, dtype: str, split: str) -> str:
     """Costs are per machine (its processor model and instruction sets), software (the CPU
-    kernel's source too: a new kernel moved a 5-token verification by a third) and XLA flags
+X
     (the vector width alone moves a decode step by 16%); the device count is in `split`."""
     import jax
     from ssd_jax.compile_cache import cpu_fingerprint
