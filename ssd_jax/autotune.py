@@ -410,7 +410,7 @@ COSTS_METHOD = "median-of-7"
 
 def cache_key(target: str, draft: str, batch: int, dtype: str, split: str) -> str:
     """Costs are per machine (its processor model and instruction sets), software (the CPU
-X
+    kernel's source too: a new kernel made a 5-token verification ~20% cheaper) and XLA flags
     (the vector width alone moves a decode step by 16%); the device count is in `split`."""
     import jax
     from ssd_jax.compile_cache import cpu_fingerprint
